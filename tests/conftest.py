@@ -1,0 +1,137 @@
+"""Shared test fixtures: small CIFAR-10 copies built from the real shared data.
+
+The shared data lives beside the repository (../shared/data); it stores
+CIFAR-10 as JPEGs (see its README). Decoding only the first few thousand
+images keeps every fixture cheap (well under a second each).
+"""
+import io
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data'
+NPZ_NAME = 'cifar10_jpeg.npz'
+
+N_TRAIN = 2000      # 5 batches of 400 rows
+N_TEST = 500
+TRAIN_BATCHES = tuple(f'data_batch_{i}' for i in range(1, 6))
+
+
+def decode_jpegs(npz_path, split, n):
+    """First n images of `split` as (uint8 (n, 32, 32, 3) HWC RGB, labels), like cifar10_jpeg.py."""
+    from PIL import Image
+
+    with np.load(npz_path) as z:
+        header = z['jpeg_header'].tobytes()
+        offsets = z[f'{split}_offsets'][:n + 1]
+        scans = z[f'{split}_scans'][:offsets[-1]]
+        labels = z[f'{split}_labels'][:n]
+    images = [np.asarray(Image.open(io.BytesIO(header + scans[offsets[i]:offsets[i + 1]].tobytes()))
+                         .convert('RGB')) for i in range(n)]
+    return np.stack(images), labels.astype(np.int32)
+
+
+def write_cifar_batches(root, subset, *, bytes_keys=False, protocol=2):
+    """Write `subset` as <root>/cifar-10-batches-py in the Toronto pickle format; return root.
+
+    Train rows are split evenly into data_batch_1..5; bytes_keys mimics the
+    Python-2 originals as loaded with encoding='bytes'.
+    """
+    key = (lambda k: k.encode()) if bytes_keys else (lambda k: k)
+    text = (lambda s: s.encode()) if bytes_keys else (lambda s: s)
+    out = Path(root) / 'cifar-10-batches-py'
+    out.mkdir(parents=True, exist_ok=True)
+
+    def dump(fname, obj):
+        with open(out / fname, 'wb') as f:
+            pickle.dump(obj, f, protocol=protocol)
+
+    def batch(fname, x, y):
+        planar = np.ascontiguousarray(x.transpose(0, 3, 1, 2).reshape(len(x), 3072))  # R, G, B planes
+        dump(fname, {
+            key('batch_label'): text(f'{fname} of test subset'),
+            key('labels'): [int(v) for v in y],
+            key('data'): planar,
+            key('filenames'): [text(f'{fname}_{i:05d}.png') for i in range(len(x))],
+        })
+
+    chunks = np.array_split(np.arange(len(subset['x_train'])), len(TRAIN_BATCHES))
+    for fname, idx in zip(TRAIN_BATCHES, chunks):
+        batch(fname, subset['x_train'][idx], subset['y_train'][idx])
+    batch('test_batch', subset['x_test'], subset['y_test'])
+    dump('batches.meta', {
+        key('label_names'): [text(n) for n in subset['class_names']],
+        key('num_cases_per_batch'): len(chunks[0]),
+        key('num_vis'): 3072,
+    })
+    return Path(root)
+
+
+def write_tar(archive, members):
+    """Write a tar (gzip if the name ends in .gz) of {member name: bytes, or None for a directory}."""
+    mode = 'w:gz' if str(archive).endswith('.gz') else 'w'
+    kwargs = {'compresslevel': 1} if mode == 'w:gz' else {}
+    with tarfile.open(archive, mode, **kwargs) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return Path(archive)
+
+
+@pytest.fixture(scope='session')
+def shared_data_dir():
+    """../shared/data beside the repository; its absence is an error, never a skip."""
+    if not (SHARED_DATA / NPZ_NAME).is_file():
+        pytest.fail(f'shared test data missing: expected {SHARED_DATA / NPZ_NAME} '
+                    f'(the directory shared/data must sit beside the repository checkout)',
+                    pytrace=False)
+    return SHARED_DATA
+
+
+@pytest.fixture(scope='session')
+def cifar_subset(shared_data_dir):
+    """First 2000 train / 500 test real CIFAR-10 (JPEG q75) images as numpy arrays."""
+    npz = shared_data_dir / NPZ_NAME
+    x_train, y_train = decode_jpegs(npz, 'train', N_TRAIN)
+    x_test, y_test = decode_jpegs(npz, 'test', N_TEST)
+    with np.load(npz) as z:
+        class_names = tuple(str(c) for c in z['classes'])
+    return {'x_train': x_train, 'y_train': y_train, 'x_test': x_test, 'y_test': y_test,
+            'class_names': class_names}
+
+
+@pytest.fixture(scope='session')
+def write_cifar():
+    """The batch writer, for tests that need their own small CIFAR directories."""
+    return write_cifar_batches
+
+
+@pytest.fixture(scope='session')
+def cifar_batches_dir(tmp_path_factory, cifar_subset):
+    """Root dir (what users pass as data.dir) holding cifar-10-batches-py/ with str keys."""
+    return write_cifar_batches(tmp_path_factory.mktemp('cifar_str_keys'), cifar_subset)
+
+
+@pytest.fixture(scope='session')
+def cifar_bytes_keys_dir(tmp_path_factory, cifar_subset):
+    """Like cifar_batches_dir but with bytes keys and values, as the Python-2 originals."""
+    return write_cifar_batches(tmp_path_factory.mktemp('cifar_bytes_keys'), cifar_subset, bytes_keys=True)
+
+
+@pytest.fixture(scope='session')
+def cifar_archive_dir(tmp_path_factory, cifar_batches_dir):
+    """Dir holding cifar-10-python.tar.gz of the str-key batches (members under cifar-10-batches-py/)."""
+    batches = cifar_batches_dir / 'cifar-10-batches-py'
+    root = tmp_path_factory.mktemp('cifar_archive')
+    members = {'cifar-10-batches-py': None}  # the real archive has a directory entry too
+    members.update({f'cifar-10-batches-py/{p.name}': p.read_bytes() for p in sorted(batches.iterdir())})
+    write_tar(root / 'cifar-10-python.tar.gz', members)
+    return root
