@@ -1,0 +1,62 @@
+"""Defaults shared by every recipe; each config file starts from these and changes what it needs.
+
+Every key any recipe may set is here, so a typo in a config file or on the
+command line fails instead of being ignored.
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    config.data = ml_collections.ConfigDict()
+    config.data.name = "cifar10"
+    config.data.source = "auto"      # 'auto' (local files, then tfds) | 'files' | 'tfds'
+    config.data.dir = ""             # searched first, then $JAXTRAIN_DATA_DIR, ~/.cache/jaxtrain
+    config.data.mean = ()            # per-channel, in [0, 1]; () = computed from the training split
+    config.data.std = ()
+
+    config.model = ml_collections.ConfigDict()
+    config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn'
+    config.model.batch_norm = False  # seed_cnn only: BatchNorm after each conv and hidden dense
+    config.model.widths = (64, 256, 256)  # cifar_cnn: channels of its three conv blocks
+    config.model.stem_width = 24     # cifar_cnn: channels of the 2x2 stem conv
+    config.model.bn_momentum = 0.6   # cifar_cnn: running-average decay (Flax convention)
+    config.model.head_scale = 1.0 / 9.0  # cifar_cnn: logits multiplier
+
+    config.optimizer = ml_collections.ConfigDict()
+    config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw'
+    config.optimizer.learning_rate = 0.1
+    config.optimizer.momentum = 0.9  # sgd; 0 = plain SGD
+    config.optimizer.nesterov = False
+    config.optimizer.weight_decay = 0.0
+    config.optimizer.b1 = 0.9        # adam, adamw
+    config.optimizer.b2 = 0.999
+    config.optimizer.eps = 1e-8
+    config.optimizer.schedule = "constant"  # 'constant' | 'linear' | 'onecycle' | 'warmup_cosine'
+    config.optimizer.warmup_fraction = 0.0  # of all steps; onecycle and warmup_cosine
+    config.optimizer.start_lr_fraction = 0.0  # onecycle: first lr = peak * this
+    config.optimizer.end_lr_fraction = 0.0    # linear, onecycle, warmup_cosine: last lr = peak * this
+
+    config.augment = ml_collections.ConfigDict()
+    config.augment.flip = False      # random horizontal flip
+    config.augment.translate = 0     # random translation up to this many pixels (pad + crop)
+    config.augment.pad_mode = "reflect"  # 'reflect' | 'constant' (zeros), for translate and TTA
+    config.augment.rotate = 0.0      # random rotation up to this many degrees
+    config.augment.cutout = 0        # side of one random black square; 0 = off
+
+    config.train = ml_collections.ConfigDict()
+    config.train.batch_size = 128
+    config.train.num_epochs = 10
+    config.train.num_steps = 0       # > 0 overrides num_epochs
+    config.train.precision = "bfloat16"  # 'bfloat16' (float32 params/stats/opt state) | 'float32'
+    config.train.label_smoothing = 0.0
+    config.train.log_every_steps = 0  # 0 = once per epoch; chunks of steps run as one program
+    config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the CPU
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.batch_size = 1000
+    config.eval.tta = "none"         # 'none' | 'flip' | 'flip_translate'
+    config.eval.every_epochs = 1     # 0 = only at the end
+    return config

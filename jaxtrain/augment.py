@@ -1,0 +1,129 @@
+"""On-device data augmentation: pure jnp functions of (images, key).
+
+They work on uint8 batches (N, H, W, C) before normalisation, so the gathers
+move bytes, not floats, and run inside the compiled epoch with no host work.
+"""
+import jax
+import jax.numpy as jnp
+
+
+def flip(images):
+    """Horizontal mirror of every image."""
+    return images[:, :, ::-1, :]
+
+
+def random_flip(images, key):
+    """Mirrors each image with probability 1/2."""
+    mirror = jax.random.bernoulli(key, 0.5, (images.shape[0], 1, 1, 1))
+    return jnp.where(mirror, flip(images), images)
+
+
+def _pad(images, amount, pad_mode):
+    widths = ((0, 0), (amount, amount), (amount, amount), (0, 0))
+    return jnp.pad(images, widths, mode="reflect" if pad_mode == "reflect" else "constant")
+
+
+def shift(images, dy: int, dx: int, pad_mode: str = "reflect"):
+    """Translates every image by (dy, dx) pixels; the uncovered border is padded."""
+    if dy == 0 and dx == 0:
+        return images
+    amount = max(abs(dy), abs(dx))
+    padded = _pad(images, amount, pad_mode)
+    h, w = images.shape[1:3]
+    return padded[:, amount - dy:amount - dy + h, amount - dx:amount - dx + w, :]
+
+
+def random_translate(images, key, max_shift: int, pad_mode: str = "reflect"):
+    """Translates each image by an independent offset in [-max_shift, max_shift]^2.
+
+    Pad + random crop, as torchvision's RandomCrop(size, padding) does.
+    """
+    if max_shift == 0:
+        return images
+    n, h, w, c = images.shape
+    padded = _pad(images, max_shift, pad_mode)
+    corners = jax.random.randint(key, (n, 2), 0, 2 * max_shift + 1)
+
+    def crop(image, corner):
+        return jax.lax.dynamic_slice(image, (corner[0], corner[1], 0), (h, w, c))
+
+    return jax.vmap(crop)(padded, corners)
+
+
+def rotate(images, angles_degrees):
+    """Rotates image i counter-clockwise by angles_degrees[i] about its centre.
+
+    Nearest-neighbour sampling with black fill, like torchvision's
+    RandomRotation defaults. An angle of 0 returns the images unchanged.
+    """
+    n, h, w, _ = images.shape
+    theta = jnp.deg2rad(angles_degrees.astype(jnp.float32))[:, None, None]
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    cy, cx = (h - 1) / 2.0, (w - 1) / 2.0
+    rows, cols = jnp.meshgrid(jnp.arange(h, dtype=jnp.float32),
+                              jnp.arange(w, dtype=jnp.float32), indexing="ij")
+    u, v = cols - cx, cy - rows                      # y axis pointing up
+    src_cols = jnp.round(cos * u + sin * v + cx).astype(jnp.int32)
+    src_rows = jnp.round(cy - (-sin * u + cos * v)).astype(jnp.int32)
+    inside = (src_rows >= 0) & (src_rows < h) & (src_cols >= 0) & (src_cols < w)
+    src_rows = jnp.clip(src_rows, 0, h - 1)
+    src_cols = jnp.clip(src_cols, 0, w - 1)
+    batch = jnp.arange(n)[:, None, None]
+    rotated = images[batch, src_rows, src_cols]
+    return jnp.where(inside[..., None], rotated, jnp.zeros_like(rotated))
+
+
+def random_rotate(images, key, max_degrees: float):
+    """Rotates each image by an angle drawn uniformly from [-max_degrees, max_degrees]."""
+    if max_degrees == 0:
+        return images
+    angles = jax.random.uniform(key, (images.shape[0],), minval=-max_degrees, maxval=max_degrees)
+    return rotate(images, angles)
+
+
+def random_cutout(images, key, size: int):
+    """Blacks out one size x size square per image at a random position (may be clipped)."""
+    if size == 0:
+        return images
+    n, h, w, _ = images.shape
+    centres = jax.random.randint(key, (n, 2), 0, jnp.array([h, w]))
+    rows = jnp.arange(h)[None, :, None]
+    cols = jnp.arange(w)[None, None, :]
+    top = centres[:, 0, None, None] - size // 2
+    left = centres[:, 1, None, None] - size // 2
+    hole = (rows >= top) & (rows < top + size) & (cols >= left) & (cols < left + size)
+    return jnp.where(hole[..., None], jnp.zeros_like(images), images)
+
+
+def augment_batch(images, key, *, flip: bool = False, translate: int = 0,
+                  rotate: float = 0.0, cutout: int = 0, pad_mode: str = "reflect"):
+    """Applies the configured augmentations (the `augment` config block) in a fixed order."""
+    if pad_mode not in ("reflect", "constant"):
+        raise ValueError(f"augment.pad_mode must be 'reflect' or 'constant', got {pad_mode!r}")
+    flip_key, translate_key, rotate_key, cutout_key = jax.random.split(key, 4)
+    if rotate:
+        images = random_rotate(images, rotate_key, rotate)
+    if flip:
+        images = random_flip(images, flip_key)
+    images = random_translate(images, translate_key, translate, pad_mode)
+    images = random_cutout(images, cutout_key, cutout)
+    return images
+
+
+def tta_views(images, mode: str, pad_mode: str = "reflect"):
+    """Test-time-augmentation views and their weights (they sum to 1).
+
+    'none': the images; 'flip': images and mirrors, equally weighted;
+    'flip_translate': half the weight on (images, mirrors), half on both of
+    them shifted one pixel up-left and one pixel down-right.
+    """
+    if mode == "none":
+        return [images], [1.0]
+    if mode == "flip":
+        return [images, flip(images)], [0.5, 0.5]
+    if mode == "flip_translate":
+        mirrored = flip(images)
+        shifted = [shift(v, d, d, pad_mode) for v in (images, mirrored) for d in (-1, 1)]
+        return [images, mirrored] + shifted, [0.25, 0.25] + [0.125] * 4
+    raise ValueError(f"eval.tta must be 'none', 'flip' or 'flip_translate', got {mode!r}")
+

@@ -1,0 +1,31 @@
+"""Command line: `python main.py --config=configs/cifar.py --workdir=DIR [--config.KEY=VALUE ...]`."""
+import time
+
+START_TIME = time.time()  # before the heavy imports: summary.json's total_seconds counts them
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import jaxtrain
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for metrics, plots and the summary.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # keep the console to the training table
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        jaxtrain.train_and_evaluate(FLAGS.config, FLAGS.workdir, start_time=START_TIME)
+    except (jaxtrain.DataError, jaxtrain.ConfigError, jaxtrain.TrainingError) as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    app.run(main)
