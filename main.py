@@ -17,6 +17,21 @@ flags.DEFINE_string("workdir", None, "Directory for metrics, plots and the summa
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def parse_flags(argv):
+    """absl flag parsing, with a one-line error naming an unknown --config key."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:  # a bad value: absl's message names the flag
+        sys.exit(f"error: {error}")
+    except (AttributeError, KeyError) as error:
+        missing = str(error).strip("\"'")
+        overrides = [arg.split("=")[0] for arg in argv if arg.startswith("--config.")]
+        named = [arg for arg in overrides if missing in arg[len("--config."):].split(".")]
+        flag = named[0] if named else f"--config.{missing}"
+        sys.exit(f"error: unknown config key in {flag}: there is no {missing!r} there "
+                 "(configs/default.py lists every key)")
+
+
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep the console to the training table
     if len(argv) > 1:
@@ -28,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -58,6 +58,10 @@ def check_config(config) -> None:
          config.optimizer.schedule, "must be one of " + ", ".join(optim.SCHEDULES))
     need(0.0 <= config.train.label_smoothing < 1.0, "train.label_smoothing",
          config.train.label_smoothing, "must be in [0, 1)")
+    widths = config.model.widths
+    need(isinstance(widths, tuple) and len(widths) > 0 and all(isinstance(w, int) and w > 0
+                                                               for w in widths),
+         "model.widths", widths, "must be a tuple of positive channel counts, e.g. (64, 256, 256)")
     for key in ("mean", "std"):
         value = tuple(config.data[key])
         need(len(value) == 0 or all(isinstance(v, (int, float)) for v in value), f"data.{key}",

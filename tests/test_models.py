@@ -1,0 +1,70 @@
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import default
+from jaxtrain import models
+
+
+def model_config(name, **overrides):
+    config = default.get_config().model
+    config.name = name
+    config.update(overrides)
+    return config
+
+
+def init(model, shape=(2, 32, 32, 3)):
+    return model.init(jax.random.key(0), jnp.zeros(shape), train=False)
+
+
+def test_seed_cnn_matches_the_article_network():
+    variables = init(models.create_model(model_config("seed_cnn"), 10, jnp.float32))
+    params = variables["params"]
+    # torch: conv1 456 + conv2 2416 + fc1 48120 + fc2 10164 + fc3 850
+    assert models.count_params(params) == 62006
+    assert "batch_stats" not in variables
+    kernel = np.asarray(params["Conv_0"]["kernel"])
+    assert kernel.shape == (5, 5, 3, 6)
+    bound = 1 / np.sqrt(5 * 5 * 3)  # PyTorch's default init range
+    assert np.abs(kernel).max() <= bound and np.abs(kernel).max() > 0.9 * bound
+    bias = np.asarray(params["Conv_0"]["bias"])
+    assert np.abs(bias).max() <= bound and np.any(bias != 0)
+
+
+def test_seed_cnn_batch_norm_option_adds_statistics():
+    variables = init(models.create_model(model_config("seed_cnn", batch_norm=True), 10,
+                                         jnp.float32))
+    assert len(variables["batch_stats"]) == 4  # after 2 convs and 2 hidden dense layers
+
+
+def test_cifar_cnn_shapes_and_mixed_precision():
+    model = models.create_model(model_config("cifar_cnn"), 10, jnp.bfloat16)
+    variables = init(model)
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(variables))
+    x = jax.random.normal(jax.random.key(1), (8, 32, 32, 3))
+    logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    assert logits.shape == (8, 10) and logits.dtype == jnp.float32
+    assert all(s.dtype == jnp.float32 for s in jax.tree_util.tree_leaves(updates))
+    # the convolutions really run in bfloat16
+    hlo = jax.jit(lambda v, x: model.apply(v, x)).lower(variables, x).as_text()
+    assert "bf16" in hlo
+
+
+def test_batch_norm_train_and_eval_modes_differ_and_stats_update():
+    model = models.create_model(model_config("cifar_cnn", widths=(8, 8, 8), stem_width=4), 10,
+                                jnp.float32)
+    variables = init(model)
+    x = 3.0 + 2.0 * jax.random.normal(jax.random.key(1), (16, 32, 32, 3))
+    train_logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    eval_logits = model.apply(variables, x, train=False)
+    assert not np.allclose(train_logits, eval_logits)
+    before = jax.tree_util.tree_leaves(variables["batch_stats"])
+    after = jax.tree_util.tree_leaves(updates["batch_stats"])
+    assert any(not np.allclose(a, b) for a, b in zip(before, after))
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="unknown model.name 'resnet'"):
+        models.create_model(model_config("resnet"), 10, jnp.float32)
