@@ -1,4 +1,11 @@
-"""CIFAR-10 with cifar_cnn: the fast recipe (see README for its measurements)."""
+"""CIFAR-10 with cifar_cnn: the fast recipe (see README for its measurements).
+
+The learning rate and weight decay are the public CIFAR-10 speedruns' (airbench)
+translated to a mean (not summed) loss: lr 1.5 and coupled weight decay 1.3e-3 at
+batch 1024. On this project's CPU, a narrow (8, 32, 32) cifar_cnn trained 6
+epochs on all 50,000 images reached 75.1% with them against 58.7% with lr 0.2,
+weight decay 5e-4 (README, "Tuning").
+"""
 from configs import default
 
 
@@ -8,16 +15,16 @@ def get_config():
     config.optimizer.name = "sgd"
     config.optimizer.nesterov = True
     config.optimizer.momentum = 0.85
-    config.optimizer.learning_rate = 0.2
-    config.optimizer.weight_decay = 5e-4
+    config.optimizer.learning_rate = 1.5
+    config.optimizer.weight_decay = 1.3e-3
     config.optimizer.schedule = "onecycle"
     config.optimizer.warmup_fraction = 0.2
     config.optimizer.start_lr_fraction = 0.2
-    config.optimizer.end_lr_fraction = 0.05
+    config.optimizer.end_lr_fraction = 0.0
     config.augment.flip = True
     config.augment.translate = 2
     config.train.batch_size = 1024
-    config.train.num_epochs = 10
+    config.train.num_epochs = 16
     config.train.label_smoothing = 0.2
     config.train.precision = "bfloat16"
     config.eval.tta = "flip_translate"
