@@ -13,7 +13,12 @@ import jaxtrain
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
                                 lock_config=True)
-flags.DEFINE_string("workdir", None, "Directory for metrics, plots and the summary.")
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, plots and the summary; "
+                    "training resumes from the checkpoints already there.")
+flags.DEFINE_enum("mode", "train", ["train", "eval"],
+                  "train (or resume), or eval: evaluate the newest checkpoint on the test split.")
+flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step directory "
+                    "(WORKDIR/checkpoints/STEP) to evaluate instead of the newest.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -37,8 +42,15 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
-        jaxtrain.train_and_evaluate(FLAGS.config, FLAGS.workdir, start_time=START_TIME)
-    except (jaxtrain.DataError, jaxtrain.ConfigError, jaxtrain.TrainingError) as error:
+        if FLAGS.mode == "eval":
+            jaxtrain.evaluate_checkpoint(FLAGS.config, FLAGS.workdir, FLAGS.checkpoint)
+        else:
+            jaxtrain.train_and_evaluate(FLAGS.config, FLAGS.workdir, start_time=START_TIME)
+    except jaxtrain.Interrupted as error:
+        print(f"stopped: {error}", file=sys.stderr)
+        sys.exit(128 + error.signum)  # the shell's convention for "killed by signal N"
+    except (jaxtrain.DataError, jaxtrain.ConfigError, jaxtrain.TrainingError,
+            jaxtrain.CheckpointError) as error:
         sys.exit(f"error: {error}")
 
 

@@ -55,6 +55,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.log_every_steps = 0  # 0 = once per epoch; chunks of steps run as one program
     config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the CPU
 
+    config.train.nonfinite = "stop"  # a non-finite loss: 'stop' (keep the last checkpoint) | 'skip' the step
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 0   # > 0: save every this many steps (overrides every_epochs)
+    config.checkpoint.every_epochs = 1  # save at the end of every this many epochs; 0 = only at the end
+    config.checkpoint.keep = 3          # newest checkpoints kept
+
     config.eval = ml_collections.ConfigDict()
     config.eval.batch_size = 1000
     config.eval.tta = "none"         # 'none' | 'flip' | 'flip_translate'

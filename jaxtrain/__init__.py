@@ -1,5 +1,10 @@
 """jaxtrain: fast, ordinary training of Flax models on GPUs."""
+from jaxtrain.checkpoint import CheckpointError
 from jaxtrain.data import DataError, Dataset, load
-from jaxtrain.train import ConfigError, TrainingError, train_and_evaluate
+from jaxtrain.inference import Classifier, restore
+from jaxtrain.train import (ConfigError, Interrupted, TrainingError, evaluate_checkpoint,
+                            train_and_evaluate)
 
-__all__ = ["ConfigError", "DataError", "Dataset", "TrainingError", "load", "train_and_evaluate"]
+__all__ = ["CheckpointError", "Classifier", "ConfigError", "DataError", "Dataset",
+           "Interrupted", "TrainingError", "evaluate_checkpoint", "load", "restore",
+           "train_and_evaluate"]

@@ -29,36 +29,50 @@ def write_json_atomically(path: str, obj) -> None:
 
 
 def read_metrics(workdir: str) -> list[dict]:
+    """The records of metrics.jsonl, up to the first incomplete line (a killed run's last)."""
+    records = []
     with open(os.path.join(workdir, METRICS_FILE)) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
 
 
 class Reporter:
     """Writes every logged record to metrics.jsonl and TensorBoard as it arrives."""
 
-    def __init__(self, workdir: str, total_steps: int, stream=None):
+    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, stream=None):
+        """start_step > 0 continues a resumed run: records up to it are kept, later ones
+        (written after the checkpoint the run resumed from) are dropped."""
         import tensorboardX  # deferred: only runs that report need it
 
         os.makedirs(workdir, exist_ok=True)
         self.workdir = workdir
         self.stream = stream or sys.stdout
+        path = os.path.join(workdir, METRICS_FILE)
         self.records: list[dict] = []
-        self._metrics = open(os.path.join(workdir, METRICS_FILE), "w")
+        if start_step > 0 and os.path.exists(path):
+            self.records = [r for r in read_metrics(workdir) if r["step"] <= start_step]
+        self._metrics = open(path, "w")
+        for record in self.records:
+            self._metrics.write(json.dumps(record) + "\n")
         self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
         # tqdm hides itself when stderr is not a terminal (disable=None).
-        self._progress = tqdm.tqdm(total=total_steps, unit="step", disable=None, leave=False,
-                                   dynamic_ncols=True)
+        self._progress = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
+                                   disable=None, leave=False, dynamic_ncols=True)
 
-    def _print(self, line: str) -> None:
+    def print_line(self, line: str) -> None:
         tqdm.tqdm.write(line, file=self.stream)
 
     def print_header(self, **info) -> None:
-        self._print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+        self.print_line("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in info.items()))
-        self._print(" ".join(f"{header:>{width}}" for _, header, width, _ in COLUMNS))
+        self.print_line(" ".join(f"{header:>{width}}" for _, header, width, _ in COLUMNS))
 
     def print_row(self, row: dict) -> None:
-        self._print(" ".join(f"{row[key]:>{width}{spec}}" if row.get(key) is not None
+        self.print_line(" ".join(f"{row[key]:>{width}{spec}}" if row.get(key) is not None
                              else f"{'-':>{width}}" for key, _, width, spec in COLUMNS))
 
     def log(self, record: dict) -> None:
@@ -101,7 +115,7 @@ class Reporter:
 
     def write_summary(self, summary: dict) -> None:
         write_json_atomically(os.path.join(self.workdir, SUMMARY_FILE), summary)
-        self._print(f"test_accuracy={summary['test_accuracy']:.2%}  "
+        self.print_line(f"test_accuracy={summary['test_accuracy']:.2%}  "
                     f"test_loss={summary['test_loss']:.4f}  "
                     f"train_seconds={summary['train_seconds']:.2f}  "
                     f"compile_seconds={summary['compile_seconds']:.2f}  "

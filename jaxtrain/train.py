@@ -7,8 +7,10 @@ normalises it inside the compiled program; a chunk of steps (an epoch, or
 chunk, not once per step.
 """
 import functools
+import os
+import signal
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -17,8 +19,9 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxtrain import augment, data, models, optim, report
+from jaxtrain import augment, checkpoint, data, models, optim, report
 
+CONFIG_FILE = "config.json"
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
@@ -28,6 +31,16 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message names the step."""
+
+
+class Interrupted(TrainingError):
+    """SIGTERM or SIGINT stopped training after a checkpoint was saved."""
+
+    def __init__(self, signum: int, step: int, directory: str):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}; "
+                         f"checkpoint saved in {directory}/{step}. Run the same command "
+                         "again to resume")
 
 
 class TrainState(train_state.TrainState):
@@ -48,6 +61,9 @@ def check_config(config) -> None:
          "must be one of " + ", ".join(PRECISIONS))
     need(config.train.loop in ("auto", "scan", "python"), "train.loop", config.train.loop,
          "must be 'auto', 'scan' or 'python'")
+    need(config.train.nonfinite in ("stop", "skip"), "train.nonfinite", config.train.nonfinite,
+         "must be 'stop' or 'skip'")
+    need(config.checkpoint.keep > 0, "checkpoint.keep", config.checkpoint.keep, "must be > 0")
     need(config.eval.tta in ("none", "flip", "flip_translate"), "eval.tta", config.eval.tta,
          "must be 'none', 'flip' or 'flip_translate'")
     need(config.augment.pad_mode in ("reflect", "constant"), "augment.pad_mode",
@@ -84,8 +100,11 @@ def create_train_state(key, model, tx, image_shape) -> TrainState:
 
 
 def train_step(state, images, labels, key, *, mean, std, augment_kwargs, num_classes,
-               label_smoothing):
-    """One SGD step on a uint8 batch: augment, normalise, forward, backward, update."""
+               label_smoothing, skip_nonfinite=False):
+    """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
+
+    With skip_nonfinite, a step whose loss is not finite leaves the state as it was.
+    """
     images = augment.augment_batch(images, key, **augment_kwargs)
     inputs = normalize(images, mean, std)
     targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
@@ -97,9 +116,13 @@ def train_step(state, images, labels, key, *, mean, std, augment_kwargs, num_cla
         return loss, (logits, updates.get("batch_stats", state.batch_stats))
 
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    if skip_nonfinite:
+        keep = jnp.isfinite(loss)
+        new_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_state,
+                                 state.replace(step=state.step + 1))
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-    return state, {"loss": loss, "accuracy": accuracy}
+    return new_state, {"loss": loss, "accuracy": accuracy}
 
 
 def epoch_order(key, epoch, num_examples: int):
@@ -118,10 +141,13 @@ def train_step_at(state, step, x_train, y_train, order, augment_key, *, batch_si
 
 
 def summarize_chunk(steps, metrics):
-    """Mean metrics of a chunk of steps, and its first step with a non-finite loss (-1: none)."""
+    """Mean metrics over a chunk's finite steps, its first step with a non-finite loss
+    (-1: none) and how many such steps it had."""
     finite = jnp.isfinite(metrics["loss"])
-    summary = {name: jnp.mean(values) for name, values in metrics.items()}
+    summary = {name: jnp.sum(jnp.where(finite, values, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
+               for name, values in metrics.items()}
     summary["nonfinite_step"] = jnp.where(jnp.all(finite), -1, steps[jnp.argmin(finite)])
+    summary["nonfinite_steps"] = jnp.sum(~finite)
     return summary
 
 
@@ -188,15 +214,23 @@ def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
     return mean, std
 
 
-def plan_chunks(total_steps: int, steps_per_epoch: int, log_every_steps: int):
-    """[(epoch, first_step_in_epoch, num_steps)]: chunks never cross an epoch end."""
+def plan_chunks(total_steps: int, steps_per_epoch: int, log_every_steps: int,
+                save_every_steps: int = 0, start_step: int = 0):
+    """[(epoch, first_step_in_epoch, num_steps)] from start_step to total_steps.
+
+    Chunks end at every epoch end, every log_every_steps within an epoch and
+    every multiple of save_every_steps. The grid does not depend on start_step,
+    so a resumed run computes the same chunks as an uninterrupted one.
+    """
     chunk = log_every_steps if 0 < log_every_steps < steps_per_epoch else steps_per_epoch
-    plan, step = [], 0
+    plan, step = [], start_step
     while step < total_steps:
         epoch, in_epoch = divmod(step, steps_per_epoch)
-        length = min(chunk, steps_per_epoch - in_epoch, total_steps - step)
-        plan.append((epoch, in_epoch, length))
-        step += length
+        end = min(step - in_epoch + steps_per_epoch, step - in_epoch % chunk + chunk, total_steps)
+        if save_every_steps > 0:
+            end = min(end, step - step % save_every_steps + save_every_steps)
+        plan.append((epoch, in_epoch, end - step))
+        step = end
     return plan
 
 
@@ -216,7 +250,11 @@ def resolve_loop(loop: str) -> str:
 
 def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_kwargs):
     """Ahead-of-time compiles the training steps; returns
-    run_chunk(state, order, augment_key, first_step, num_steps) -> (state, chunk summary)."""
+    run_chunk(state, order, augment_key, first_step, num_steps, should_stop) -> (state, summary).
+
+    The Python loop can stop after any step when should_stop() says so; a
+    scanned chunk always runs to its end.
+    """
     order, augment_key = order_and_key
     if loop == "scan":
         chunk_fns = {}
@@ -226,7 +264,7 @@ def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_k
             chunk_fns[length] = fn.lower(state, x_train, y_train, order, augment_key,
                                          np.int32(0)).compile()
 
-        def run_chunk(state, order, augment_key, first_step, num_steps):
+        def run_chunk(state, order, augment_key, first_step, num_steps, should_stop=None):
             return chunk_fns[num_steps](state, x_train, y_train, order, augment_key,
                                         np.int32(first_step))
         return run_chunk
@@ -234,15 +272,17 @@ def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_k
     step_fn = jax.jit(functools.partial(train_step_at, **step_kwargs), donate_argnums=0)
     step_fn = step_fn.lower(state, np.int32(0), x_train, y_train, order, augment_key).compile()
 
-    def run_chunk(state, order, augment_key, first_step, num_steps):
-        steps = range(first_step, first_step + num_steps)
+    def run_chunk(state, order, augment_key, first_step, num_steps, should_stop=lambda: False):
         metrics = []
-        for step in steps:
+        for step in range(first_step, first_step + num_steps):
             state, step_metrics = step_fn(state, np.int32(step), x_train, y_train, order,
                                           augment_key)
             metrics.append(step_metrics)
+            if should_stop():
+                break
         stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
-        return state, summarize_chunk(jnp.asarray(steps, jnp.int32), stacked)
+        steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
+        return state, summarize_chunk(steps, stacked)
     return run_chunk
 
 
@@ -253,12 +293,20 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def train_and_evaluate(config, workdir: str, *, start_time: float | None = None) -> dict:
-    """Trains and evaluates the model the config describes; writes reports to workdir.
+class Setup(NamedTuple):
+    """Everything a run derives from its config before the first step."""
+    dataset: data.Dataset
+    mean: tuple
+    std: tuple
+    schedule: Any
+    state: TrainState
+    data_key: Any
+    steps_per_epoch: int
+    total_steps: int
 
-    Returns the summary (also written to workdir/summary.json).
-    """
-    start_time = time.time() if start_time is None else start_time
+
+def setup(config) -> Setup:
+    """Data, model, optimiser and the initial state (shared by training and evaluation)."""
     check_config(config)
     dataset = data.load(config.data.name, config.data.source, config.data.dir or None)
     mean, std = channel_stats(dataset, config)
@@ -269,105 +317,224 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                           f"split ({len(dataset.x_train)} images)")
     total_steps = (config.train.num_steps if config.train.num_steps > 0
                    else config.train.num_epochs * steps_per_epoch)
-
-    dtype = PRECISIONS[config.train.precision]
-    model = models.create_model(config.model, dataset.num_classes, dtype)
+    model = models.create_model(config.model, dataset.num_classes,
+                                PRECISIONS[config.train.precision])
     schedule = optim.create_schedule(config.optimizer, total_steps)
     tx = optim.create_optimizer(config.optimizer, schedule)
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
     state = create_train_state(init_key, model, tx, dataset.image_shape)
+    return Setup(dataset, mean, std, schedule, state, data_key, steps_per_epoch, total_steps)
 
-    x_train = jax.device_put(dataset.x_train)
-    y_train = jax.device_put(dataset.y_train)
-    eval_arrays = jax.device_put(batch_for_eval(dataset.x_test, dataset.y_test,
+
+def compile_eval(config, run: Setup, state, eval_arrays):
+    fn = jax.jit(functools.partial(evaluate, mean=run.mean, std=run.std, tta=config.eval.tta,
+                                   pad_mode=config.augment.pad_mode))
+    return fn.lower(state, *eval_arrays).compile()
+
+
+def checkpoint_meta(run: Setup, config, state, train_seconds: float, eval_seconds: float):
+    """The JSON half of a checkpoint: the data-order position and what inference needs."""
+    step = int(state.step)
+    return {"step": step, "epoch": step // run.steps_per_epoch,
+            "step_in_epoch": step % run.steps_per_epoch, "seed": config.seed,
+            "train_seconds": train_seconds, "eval_seconds": eval_seconds,
+            "mean": list(run.mean), "std": list(run.std),
+            "class_names": list(run.dataset.class_names),
+            "image_shape": list(run.dataset.image_shape)}
+
+
+def save_interval(config, steps_per_epoch: int) -> int:
+    """checkpoint.every_steps, else checkpoint.every_epochs in steps; 0 = only at the end."""
+    if config.checkpoint.every_steps > 0:
+        return config.checkpoint.every_steps
+    return max(config.checkpoint.every_epochs, 0) * steps_per_epoch
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            self.signal = signum
+        self._previous = {sig: signal.signal(sig, handler)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def train_and_evaluate(config, workdir: str, *, start_time: float | None = None) -> dict:
+    """Trains and evaluates the model the config describes; writes reports to workdir.
+
+    Resumes from the newest checkpoint in workdir/checkpoints when there is one.
+    Returns the summary (also written to workdir/summary.json).
+    """
+    start_time = time.time() if start_time is None else start_time
+    run = setup(config)
+    state, data_key = run.state, run.data_key
+    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep)
+    restored = checkpoint.restore(manager, state, data_key)
+    train_seconds = eval_seconds = 0.0
+    if restored is not None:
+        state, data_key, meta = restored
+        train_seconds, eval_seconds = meta["train_seconds"], meta["eval_seconds"]
+    start_step = int(state.step)
+    report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
+
+    x_train = jax.device_put(run.dataset.x_train)
+    y_train = jax.device_put(run.dataset.y_train)
+    eval_arrays = jax.device_put(batch_for_eval(run.dataset.x_test, run.dataset.y_test,
                                                 config.eval.batch_size))
-
-    step_kwargs = dict(batch_size=batch_size, mean=mean, std=std,
-                       augment_kwargs=config.augment.to_dict(), num_classes=dataset.num_classes,
-                       label_smoothing=config.train.label_smoothing)
-    plan = plan_chunks(total_steps, steps_per_epoch, config.train.log_every_steps)
+    step_kwargs = dict(batch_size=config.train.batch_size, mean=run.mean, std=run.std,
+                       augment_kwargs=config.augment.to_dict(),
+                       num_classes=run.dataset.num_classes,
+                       label_smoothing=config.train.label_smoothing,
+                       skip_nonfinite=config.train.nonfinite == "skip")
+    every_save = save_interval(config, run.steps_per_epoch)
+    plan = plan_chunks(run.total_steps, run.steps_per_epoch, config.train.log_every_steps,
+                       every_save, start_step)
 
     compile_start = time.perf_counter()
-    order_fn = jax.jit(functools.partial(epoch_order, num_examples=len(dataset.x_train)))
+    order_fn = jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)))
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
     run_chunk = compile_chunks(resolve_loop(config.train.loop), state, x_train, y_train,
                                order_fn(data_key, np.int32(0)),
                                {length for _, _, length in plan}, step_kwargs)
-    eval_fn = jax.jit(functools.partial(evaluate, mean=mean, std=std, tta=config.eval.tta,
-                                        pad_mode=config.augment.pad_mode))
-    eval_fn = eval_fn.lower(state, *eval_arrays).compile()
+    eval_fn = compile_eval(config, run, state, eval_arrays)
     compile_seconds = time.perf_counter() - compile_start
 
-    reporter = report.Reporter(workdir, total_steps=total_steps)
+    reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step)
     reporter.print_header(model=config.model.name, params=models.count_params(state.params),
-                          dataset=dataset.origin, device=jax.devices()[0].device_kind,
-                          steps=total_steps, compile_seconds=compile_seconds)
-    train_seconds = eval_seconds = 0.0
-    step = 0
+                          dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
+                          steps=run.total_steps, compile_seconds=compile_seconds)
+    if restored is not None:
+        reporter.print_line(f"resumed from checkpoint step {start_step} "
+                            f"({manager.directory}/{start_step})")
+    step = start_step
     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
     test_metrics = order = None
+    record = reporter.records[-1] if reporter.records else {}
     try:
-        for epoch, first_step, length in plan:
-            if first_step == 0 or order is None:
-                (order, augment_key), seconds = timed(order_fn, data_key, np.int32(epoch))
+        with StopRequest() as stop:
+            for epoch, first_step, length in plan:
+                if first_step == 0 or order is None:
+                    (order, augment_key), seconds = timed(order_fn, data_key, np.int32(epoch))
+                    train_seconds += seconds
+                (state, metrics), seconds = timed(run_chunk, state, order, augment_key,
+                                                  first_step, length, stop)
                 train_seconds += seconds
-            (state, metrics), seconds = timed(run_chunk, state, order, augment_key, first_step,
-                                              length)
-            metrics = jax.device_get(metrics)
-            train_seconds += seconds
-            if metrics["nonfinite_step"] >= 0:
-                bad = epoch * steps_per_epoch + int(metrics["nonfinite_step"])
-                raise TrainingError(
-                    f"non-finite training loss at step {bad} (epoch {epoch}); lower "
-                    f"optimizer.learning_rate or check the data")
-            step += length
-            for name in ("loss", "accuracy"):
-                epoch_sums[name] += float(metrics[name]) * length
-            epoch_sums["steps"] += length
-            record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
-                      "train_loss": float(metrics["loss"]),
-                      "train_accuracy": float(metrics["accuracy"]),
-                      "learning_rate": float(schedule(step - 1))}
-            epoch_done = first_step + length == steps_per_epoch
-            every = config.eval.every_epochs
-            if step == total_steps or (epoch_done and every > 0 and (epoch + 1) % every == 0):
-                test_metrics, seconds = timed(eval_fn, state, *eval_arrays)
-                test_metrics = {k: float(v) for k, v in jax.device_get(test_metrics).items()}
-                eval_seconds += seconds
-                train_seconds += seconds
-                record.update(test_loss=test_metrics["loss"],
-                              test_accuracy=test_metrics["accuracy"])
-            record["seconds"] = round(train_seconds, 4)
-            reporter.log(record)
-            if epoch_done or step == total_steps:
-                row = dict(record, train_loss=epoch_sums["loss"] / epoch_sums["steps"],
-                           train_accuracy=epoch_sums["accuracy"] / epoch_sums["steps"])
-                reporter.print_row(row)
-                epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
+                metrics = jax.device_get(metrics)
+                if metrics["nonfinite_step"] >= 0 and config.train.nonfinite == "stop":
+                    bad = epoch * run.steps_per_epoch + int(metrics["nonfinite_step"])
+                    raise TrainingError(
+                        f"non-finite training loss at step {bad} (epoch {epoch}); the last "
+                        f"good checkpoint is kept in {manager.directory}. Lower "
+                        "optimizer.learning_rate, check the data, or set "
+                        "train.nonfinite='skip' to skip such steps")
+                done = int(state.step) - step
+                step = int(state.step)
+                epoch_sums["loss"] += float(metrics["loss"]) * done
+                epoch_sums["accuracy"] += float(metrics["accuracy"]) * done
+                epoch_sums["steps"] += done
+                record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4),
+                          "train_loss": float(metrics["loss"]),
+                          "train_accuracy": float(metrics["accuracy"]),
+                          "learning_rate": float(run.schedule(step - 1))}
+                if metrics["nonfinite_steps"]:
+                    record["skipped_steps"] = int(metrics["nonfinite_steps"])
+                epoch_done = step % run.steps_per_epoch == 0
+                every = config.eval.every_epochs
+                last = step == run.total_steps
+                if last or (epoch_done and every > 0 and (step // run.steps_per_epoch) % every == 0):
+                    test_metrics, seconds = timed(eval_fn, state, *eval_arrays)
+                    test_metrics = {k: float(v) for k, v in jax.device_get(test_metrics).items()}
+                    eval_seconds += seconds
+                    train_seconds += seconds
+                    record.update(test_loss=test_metrics["loss"],
+                                  test_accuracy=test_metrics["accuracy"])
+                record["seconds"] = round(train_seconds, 4)
+                reporter.log(record)
+                if epoch_done or last:
+                    reporter.print_row(dict(
+                        record, train_loss=epoch_sums["loss"] / max(epoch_sums["steps"], 1),
+                        train_accuracy=epoch_sums["accuracy"] / max(epoch_sums["steps"], 1)))
+                    epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
+                if last or stop() or (every_save > 0 and step % every_save == 0):
+                    checkpoint.save(manager, state, data_key, checkpoint_meta(
+                        run, config, state, train_seconds, eval_seconds))
+                if stop():
+                    checkpoint.wait(manager)
+                    raise Interrupted(stop.signal, step, manager.directory)
+        checkpoint.wait(manager)
     finally:
         reporter.close()
+        manager.close()
 
+    if test_metrics is None:  # resumed from a checkpoint of the finished run
+        test_metrics = {k: float(v) for k, v in jax.device_get(eval_fn(state, *eval_arrays)).items()}
     reporter.plot()
-    images_seen = total_steps * batch_size
     summary = {
         "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"],
-        "train_loss": record["train_loss"],
+        "train_loss": record.get("train_loss"),
+        "params_sha256": checkpoint.params_sha256(state),
         "train_seconds": train_seconds,
         "eval_seconds": eval_seconds,
         "compile_seconds": compile_seconds,
-        "images_per_second": images_seen / max(train_seconds - eval_seconds, 1e-9),
-        "epochs": total_steps / steps_per_epoch,
-        "steps": total_steps,
-        "batch_size": batch_size,
+        "images_per_second": (run.total_steps * config.train.batch_size
+                              / max(train_seconds - eval_seconds, 1e-9)),
+        "epochs": run.total_steps / run.steps_per_epoch,
+        "steps": run.total_steps,
+        "resumed_from_step": start_step if restored is not None else None,
+        "batch_size": config.train.batch_size,
         "param_count": models.count_params(state.params),
         "device_kind": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
         "jax_version": jax.__version__,
         "flax_version": flax.__version__,
-        "dataset": dataset.origin,
+        "dataset": run.dataset.origin,
         "config": config.to_dict(),
     }
     summary["total_seconds"] = time.time() - start_time
     reporter.write_summary(summary)
     return summary
+
+
+def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
+    """--mode=eval: restores the newest checkpoint (or checkpoint_path) and evaluates it."""
+    run = setup(config)
+    if checkpoint_path:
+        path = os.path.abspath(checkpoint_path.rstrip("/"))
+        directory, name = os.path.split(path)
+        if not name.isdigit():
+            raise checkpoint.CheckpointError(f"--checkpoint={checkpoint_path}: expected a step "
+                                             "directory such as WORKDIR/checkpoints/1000")
+        step = int(name)
+    else:
+        directory, step = checkpoint.checkpoint_dir(workdir), None
+    if not os.path.isdir(directory if step is None else os.path.join(directory, str(step))):
+        raise checkpoint.CheckpointError(f"no checkpoint at {checkpoint_path or directory}")
+    manager = checkpoint.create_manager(directory, create=False)
+    try:
+        restored = checkpoint.restore(manager, run.state, run.data_key, step)
+    finally:
+        manager.close()
+    if restored is None:
+        raise checkpoint.CheckpointError(f"no checkpoint in {directory}")
+    state = restored[0]
+    eval_arrays = jax.device_put(batch_for_eval(run.dataset.x_test, run.dataset.y_test,
+                                                config.eval.batch_size))
+    metrics = jax.device_get(compile_eval(config, run, state, eval_arrays)(state, *eval_arrays))
+    result = {"step": int(state.step), "test_accuracy": float(metrics["accuracy"]),
+              "test_loss": float(metrics["loss"])}
+    print(f"checkpoint step {result['step']}: test_accuracy={result['test_accuracy']:.2%}  "
+          f"test_loss={result['test_loss']:.4f}")
+    return result

@@ -1,0 +1,150 @@
+"""Orbax checkpoints: save during training, resume exactly, restore for evaluation.
+
+A checkpoint is a plain Orbax CheckpointManager step directory under
+WORKDIR/checkpoints/<step>/ with two items:
+  state: {params, batch_stats, opt_state, step, rng} as an Orbax standard pytree
+  meta:  JSON {step, epoch, step_in_epoch, seed}: the data-order position
+Nothing in it is pickled.
+"""
+import hashlib
+import logging
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or does not fit the model; the message says which."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+
+
+def create_manager(directory: str, keep: int = 3, create: bool = True):
+    """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"cannot use {directory} for checkpoints: it is not a directory")
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    try:
+        return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoints in {directory}: {error}") from error
+
+
+def state_tree(state, rng) -> dict:
+    """What a checkpoint holds of a TrainState, plus the run's PRNG key data."""
+    return {"params": state.params, "batch_stats": state.batch_stats,
+            "opt_state": state.opt_state, "step": state.step,
+            "rng": jax.random.key_data(rng)}
+
+
+def save(manager, state, rng, meta: dict) -> None:
+    """Starts an asynchronous save of the state at its step; raises CheckpointError on failure."""
+    step = int(state.step)
+    try:
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state_tree(state, rng)), meta=ocp.args.JsonSave(meta)))
+    except OSError as error:
+        raise CheckpointError(f"saving the checkpoint of step {step} in {manager.directory} "
+                              f"failed: {error}; earlier checkpoints are untouched") from error
+
+
+def wait(manager) -> None:
+    """Blocks until pending saves are on disk; a failed background save raises CheckpointError."""
+    try:
+        manager.wait_until_finished()
+    except OSError as error:
+        raise CheckpointError(f"writing a checkpoint in {manager.directory} failed: {error}; "
+                              "earlier checkpoints are untouched") from error
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in keys)
+
+
+def check_compatible(manager, step: int, target: dict) -> None:
+    """Raises CheckpointError naming the first parameter whose shape or presence differs."""
+    saved = manager.item_metadata(step)["state"]
+    saved_leaves = {_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+    if not saved_leaves:  # files gone: damage, not another model (restore falls back)
+        raise FileNotFoundError(f"{manager.directory}/{step}: no readable state metadata")
+    # parameters first: they name the layer that differs most plainly
+    ordered = [(f"{top}/{_path(path)}" if path else top, leaf)
+               for top in ("params", "batch_stats", "opt_state", "step", "rng")
+               for path, leaf in jax.tree_util.tree_leaves_with_path(target[top])]
+    for name, leaf in ordered:
+        if name not in saved_leaves:
+            raise CheckpointError(f"checkpoint {manager.directory}/{step} was written by a "
+                                  f"different model: it has no {name!r}")
+        saved_shape = tuple(saved_leaves.pop(name).shape)
+        if saved_shape != tuple(np.shape(leaf)):
+            raise CheckpointError(f"checkpoint {manager.directory}/{step} does not fit this model: "
+                                  f"{name!r} has shape {saved_shape} there and "
+                                  f"{tuple(np.shape(leaf))} here")
+    if saved_leaves:
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} was written by a different "
+                              f"model: this model has no {next(iter(saved_leaves))!r}")
+
+
+def restore(manager, state, rng, step: int | None = None):
+    """Restores the given step, or the newest readable one, into `state`'s structure.
+
+    A damaged newest checkpoint (truncated or missing files) is skipped with a
+    warning in favour of the one before it. Returns (state, rng, meta), or None
+    when there is no checkpoint at all. A checkpoint of a different model stops
+    with CheckpointError before anything is restored.
+    """
+    steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+    target = state_tree(state, rng)
+    for candidate in steps:
+        try:
+            check_compatible(manager, candidate, target)
+            restored = manager.restore(candidate, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        except CheckpointError:
+            raise
+        except Exception as error:  # Orbax/TensorStore raise many types for damaged files
+            if step is not None:
+                raise CheckpointError(f"checkpoint {manager.directory}/{candidate} cannot be "
+                                      f"read: {error}") from error
+            logging.warning("checkpoint %s/%s cannot be read (%s: %s); falling back to an "
+                            "older one", manager.directory, candidate, type(error).__name__,
+                            error)
+            continue
+        tree = restored["state"]
+        state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
+                              opt_state=tree["opt_state"], step=tree["step"])
+        return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
+    if steps:
+        raise CheckpointError(f"no readable checkpoint in {manager.directory} "
+                              f"(tried steps {steps})")
+    return None
+
+
+def read_meta(manager, step: int | None = None) -> dict:
+    """The JSON half of the given (or the newest) checkpoint."""
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no checkpoint in {manager.directory}")
+    try:
+        return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read: "
+                              f"{error}") from error
+
+
+def params_sha256(state) -> str:
+    """SHA-256 over the bytes of every parameter and BatchNorm statistic, in a fixed order."""
+    digest = hashlib.sha256()
+    for tree in (state.params, state.batch_stats):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            digest.update(_path(path).encode())
+            digest.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+    return digest.hexdigest()

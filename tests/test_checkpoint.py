@@ -1,0 +1,270 @@
+"""Checkpoints: exact resume (after SIGKILL and SIGTERM), restore for evaluation, faults."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxtrain
+from configs import cifar_seed_cnn
+from jaxtrain import checkpoint, report, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_config(data_dir, **overrides):
+    """seed_cnn with BatchNorm and augmentation on the 2,000-image subset: 40 steps an epoch."""
+    config = cifar_seed_cnn.get_config()
+    config.data.dir = str(data_dir)
+    config.data.source = "files"
+    config.model.batch_norm = True
+    config.augment.flip = True
+    config.augment.translate = 2
+    config.train.batch_size = 50
+    config.train.num_steps = 40
+    config.train.log_every_steps = 10
+    config.checkpoint.every_steps = 10
+    config.eval.batch_size = 250
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return config
+
+
+def steps_saved(workdir):
+    return sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference(cifar_batches_dir, tmp_path_factory):
+    """An uninterrupted 40-step run."""
+    workdir = tmp_path_factory.mktemp("reference")
+    return workdir, train.train_and_evaluate(small_config(cifar_batches_dir), str(workdir))
+
+
+def test_a_run_saves_checkpoints_and_a_params_hash(reference):
+    workdir, summary = reference
+    assert steps_saved(workdir) == [20, 30, 40]  # checkpoint.keep = 3
+    assert len(summary["params_sha256"]) == 64
+    meta = json.loads((workdir / "checkpoints" / "40" / "meta" / "metadata").read_text())
+    assert (meta["step"], meta["epoch"], meta["step_in_epoch"]) == (40, 1, 0)
+    assert meta["class_names"][0] == "airplane" and len(meta["mean"]) == 3
+
+
+def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
+        reference, cifar_batches_dir, tmp_path):
+    ref_dir, ref = reference
+    first = train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=20),
+                                     str(tmp_path))
+    assert first["params_sha256"] != ref["params_sha256"]
+    resumed = train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    assert resumed["resumed_from_step"] == 20
+    assert resumed["params_sha256"] == ref["params_sha256"]
+    assert (resumed["test_accuracy"], resumed["test_loss"], resumed["train_loss"]) == (
+        ref["test_accuracy"], ref["test_loss"], ref["train_loss"])
+    def train_losses(workdir):
+        return [(r["step"], r["train_loss"]) for r in report.read_metrics(str(workdir))]
+
+    assert train_losses(tmp_path) == train_losses(ref_dir)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+        reference, cifar_batches_dir, tmp_path, damage, caplog):
+    _, ref = reference
+    train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=30), str(tmp_path))
+    newest = tmp_path / "checkpoints" / "30" / "state"
+    files = [p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert files
+    for path in files:
+        if damage == "truncate":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        else:
+            path.unlink()
+    with caplog.at_level("WARNING"):
+        resumed = train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    assert "checkpoints/30 cannot be read" in caplog.text
+    assert resumed["resumed_from_step"] == 20
+    assert resumed["params_sha256"] == ref["params_sha256"]
+
+
+def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, tmp_path):
+    config = small_config(cifar_batches_dir, model__name="cifar_cnn", model__widths=(8, 8, 8),
+                          model__stem_width=4, train__num_steps=10)
+    train.train_and_evaluate(config, str(tmp_path))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    config.model.widths = (8, 16, 8)
+    with pytest.raises(jaxtrain.CheckpointError,
+                       match=r"'params/ConvBlock_1/BatchNorm_0/bias' has shape \(8,\) there "
+                             r"and \(16,\) here"):
+        train.train_and_evaluate(config, str(tmp_path))
+    with pytest.raises(jaxtrain.CheckpointError, match="different model"):
+        train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert steps_saved(tmp_path) == [10]
+
+
+def test_non_finite_loss_keeps_the_last_good_checkpoint(cifar_batches_dir, tmp_path):
+    train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=10,
+                                          model__batch_norm=False), str(tmp_path))
+    config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
+                          model__batch_norm=False)
+    with pytest.raises(jaxtrain.TrainingError, match=r"non-finite training loss at step \d+"):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert steps_saved(tmp_path) == [10]
+    classifier = jaxtrain.restore(str(tmp_path))
+    assert classifier.step == 10
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(classifier.state.params))
+
+
+def test_skip_policy_skips_non_finite_steps(cifar_batches_dir, tmp_path):
+    config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
+                          model__batch_norm=False, train__nonfinite="skip", train__num_steps=20)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    assert summary["steps"] == 20
+    skipped = sum(r.get("skipped_steps", 0) for r in report.read_metrics(str(tmp_path)))
+    assert skipped > 0
+
+
+def test_a_workdir_that_cannot_hold_checkpoints_is_a_clear_error(cifar_batches_dir, tmp_path):
+    (tmp_path / "checkpoints").write_text("not a directory")
+    with pytest.raises(jaxtrain.CheckpointError, match="not a directory"):
+        train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+
+
+def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(
+        cifar_batches_dir, tmp_path, monkeypatch):
+    real_save = ocp.CheckpointManager.save
+
+    def save_until_full(self, step, *args, **kwargs):
+        if step > 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_until_full)
+    with pytest.raises(jaxtrain.CheckpointError, match="step 30.*No space left on device"):
+        train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    monkeypatch.undo()
+    assert steps_saved(tmp_path) == [10, 20]
+    assert jaxtrain.restore(str(tmp_path)).step == 20
+
+
+def test_eval_mode_reports_what_the_run_recorded(reference, cifar_batches_dir, cifar_subset):
+    workdir, _ = reference
+    recorded = {r["step"]: r for r in report.read_metrics(str(workdir)) if "test_loss" in r}
+    config = small_config(cifar_batches_dir)
+    newest = train.evaluate_checkpoint(config, str(workdir))
+    assert newest["step"] == 40
+    assert newest["test_accuracy"] == pytest.approx(recorded[40]["test_accuracy"], abs=1e-7)
+    assert newest["test_loss"] == pytest.approx(recorded[40]["test_loss"], rel=1e-6)
+    older = train.evaluate_checkpoint(config, str(workdir), str(workdir / "checkpoints" / "20"))
+    assert older["step"] == 20  # not evaluated during the run: compare with the restore API
+    labels, _ = jaxtrain.restore(str(workdir), step=20).predict(cifar_subset["x_test"])
+    assert older["test_accuracy"] == pytest.approx(np.mean(labels == cifar_subset["y_test"]),
+                                                   abs=1e-6)
+    assert older["test_accuracy"] != newest["test_accuracy"]
+
+
+def test_restore_api_classifies_uint8_images(reference, cifar_subset):
+    workdir, summary = reference
+    classifier = jaxtrain.restore(str(workdir))
+    assert classifier.step == 40 and classifier.class_names[1] == "automobile"
+    labels, probabilities = classifier.predict(cifar_subset["x_test"])
+    assert labels.shape == (500,) and probabilities.shape == (500, 10)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+    accuracy = float(np.mean(labels == cifar_subset["y_test"]))
+    assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-6)
+    with pytest.raises(ValueError, match="uint8"):
+        classifier.predict(cifar_subset["x_test"].astype(np.float32))
+
+
+def test_plain_orbax_restores_the_parameters(reference):
+    workdir, _ = reference
+    snippet = (
+        "import sys, numpy as np, orbax.checkpoint as ocp\n"
+        "tree = ocp.StandardCheckpointer().restore(sys.argv[1] + '/checkpoints/40/state')\n"
+        "params = tree['params']\n"
+        "np.savez(sys.argv[1] + '/plain.npz', kernel=np.asarray(params['Conv_0']['kernel']))\n"
+        "assert 'jaxtrain' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", snippet, str(workdir)], check=True, timeout=300)
+    kernel = np.load(workdir / "plain.npz")["kernel"]
+    expected = jaxtrain.restore(str(workdir)).state.params["Conv_0"]["kernel"]
+    np.testing.assert_array_equal(kernel, np.asarray(expected))
+
+
+# ---------------------------------------------------------------- real processes, real signals
+
+LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
+            "--config.model.batch_norm=True", "--config.augment.flip=True",
+            "--config.train.batch_size=4", "--config.train.num_steps=3000",
+            "--config.train.log_every_steps=100", "--config.checkpoint.every_steps=500",
+            "--config.eval.every_epochs=0"]
+
+
+def start_main(workdir, data_dir):
+    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
+                             f"--config.data.dir={data_dir}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(workdir, step, process, timeout=300):
+    deadline = time.time() + timeout
+    metrics = Path(workdir) / "metrics.jsonl"
+    while time.time() < deadline:
+        assert process.poll() is None, process.communicate()
+        if metrics.exists() and any(r["step"] >= step for r in report.read_metrics(str(workdir))):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+@pytest.fixture(scope="module")
+def long_reference(cifar_batches_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("long_reference")
+    process = start_main(workdir, cifar_batches_dir)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def test_sigkill_then_rerun_is_bit_identical(long_reference, cifar_batches_dir, tmp_path):
+    process = start_main(tmp_path, cifar_batches_dir)
+    wait_for_step(tmp_path, 1300, process)  # the test's arbitrary point: past two checkpoints
+    process.kill()
+    process.wait()
+    assert not (tmp_path / "summary.json").exists()
+    rerun = start_main(tmp_path, cifar_batches_dir)
+    out, err = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, err
+    assert "resumed from checkpoint step" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from_step"] >= 1000
+    assert summary["params_sha256"] == long_reference["params_sha256"]
+    for key in ("test_accuracy", "test_loss", "train_loss", "steps"):
+        assert summary[key] == long_reference[key], key
+    assert [r["step"] for r in report.read_metrics(str(tmp_path))] == list(range(100, 3001, 100))
+
+
+def test_sigterm_saves_and_exits_with_a_message(long_reference, cifar_batches_dir, tmp_path):
+    process = start_main(tmp_path, cifar_batches_dir)
+    wait_for_step(tmp_path, 700, process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "interrupted by SIGTERM at step" in err
+    stopped_at = int(err.split("at step ")[1].split(";")[0])
+    assert stopped_at in steps_saved(tmp_path)
+    rerun = start_main(tmp_path, cifar_batches_dir)
+    out, err = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stopped_at
+    assert summary["params_sha256"] == long_reference["params_sha256"]
