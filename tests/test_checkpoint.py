@@ -253,13 +253,15 @@ def test_sigkill_then_rerun_is_bit_identical(long_reference, cifar_batches_dir, 
     assert [r["step"] for r in report.read_metrics(str(tmp_path))] == list(range(100, 3001, 100))
 
 
-def test_sigterm_saves_and_exits_with_a_message(long_reference, cifar_batches_dir, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_save_and_exit_with_a_message(long_reference, cifar_batches_dir,
+                                                         tmp_path, signum):
     process = start_main(tmp_path, cifar_batches_dir)
     wait_for_step(tmp_path, 700, process)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=300)
-    assert process.returncode == 128 + signal.SIGTERM
-    assert "interrupted by SIGTERM at step" in err
+    assert process.returncode == 128 + signum
+    assert f"interrupted by {signal.Signals(signum).name} at step" in err
     stopped_at = int(err.split("at step ")[1].split(";")[0])
     assert stopped_at in steps_saved(tmp_path)
     rerun = start_main(tmp_path, cifar_batches_dir)
