@@ -4,7 +4,8 @@ The data path runs one way: host uint8 arrays are put on the device once; every
 step gathers its batch from the device-resident arrays, augments and
 normalises it inside the compiled program; a chunk of steps (an epoch, or
 `train.log_every_steps` steps) is one `lax.scan`, so Python runs once per
-chunk, not once per step.
+chunk, not once per step (on the CPU, once per step: see `resolve_loop`).
+Checkpoints are saved between chunks; see jaxtrain/checkpoint.py.
 """
 import functools
 import os
@@ -238,11 +239,10 @@ def resolve_loop(loop: str) -> str:
     """train.loop 'auto': one lax.scan per chunk on accelerators, a Python loop on the CPU.
 
     XLA:CPU runs convolution weight gradients inside a while loop on a slow
-    generic path (measured here: 15.7 s instead of 0.35 s for one 3x3 conv,
-    batch 256), so on the CPU each step is its own compiled call instead.
+    generic path (measured here: the weight gradient of one 3x3 conv, 64 to 64
+    channels, batch 256 at 16x16, took 7.9 s per iteration inside lax.scan and
+    0.35 s outside), so on the CPU each step is its own compiled call instead.
     """
-    if loop not in ("auto", "scan", "python"):
-        raise ConfigError(f"config.train.loop={loop!r}: must be 'auto', 'scan' or 'python'")
     if loop == "auto":
         return "python" if jax.default_backend() == "cpu" else "scan"
     return loop
