@@ -11,15 +11,17 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0
 
     config.data = ml_collections.ConfigDict()
-    config.data.name = "cifar10"
+    config.data.name = "cifar10"     # 'cifar10' | 'fashion_mnist' | 'mnist'
     config.data.source = "auto"      # 'auto' (local files, then tfds) | 'files' | 'tfds'
     config.data.dir = ""             # searched first, then $JAXTRAIN_DATA_DIR, ~/.cache/jaxtrain
     config.data.mean = ()            # per-channel, in [0, 1]; () = computed from the training split
     config.data.std = ()
 
     config.model = ml_collections.ConfigDict()
-    config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn'
-    config.model.batch_norm = False  # seed_cnn only: BatchNorm after each conv and hidden dense
+    config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn' | 'mlp'
+    config.model.batch_norm = False  # seed_cnn, mlp: BatchNorm after each conv and hidden dense
+    config.model.hidden_sizes = (256, 128, 100)  # mlp: hidden dense layers
+    config.model.dropout = 0.0       # mlp: dropout after each hidden layer
     config.model.widths = (64, 256, 256)  # cifar_cnn: channels of its three conv blocks
     config.model.stem_width = 24     # cifar_cnn: channels of the 2x2 stem conv
     config.model.bn_momentum = 0.6   # cifar_cnn: running-average decay (Flax convention)

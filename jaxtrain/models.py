@@ -118,6 +118,30 @@ class CifarCNN(nn.Module):
         return x.astype(jnp.float32) * self.head_scale
 
 
+class MLP(nn.Module):
+    """A multilayer perceptron ("BP network") on flattened images: dense - BatchNorm -
+    ReLU (- dropout) per hidden layer, then a dense classifier."""
+    num_classes: int = 10
+    hidden_sizes: Sequence[int] = (256, 128, 100)
+    batch_norm: bool = True
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = x.astype(self.dtype).reshape((x.shape[0], -1))
+        for features in self.hidden_sizes:
+            x = nn.Dense(features, dtype=self.dtype)(x)
+            if self.batch_norm:
+                # momentum 0.9 here is PyTorch's BatchNorm1d default (its momentum=0.1)
+                x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                                 dtype=self.dtype)(x)
+            x = nn.relu(x)
+            if self.dropout > 0:
+                x = nn.Dropout(self.dropout, deterministic=not train)(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+
+
 def create_model(model_config, num_classes: int, dtype: Dtype) -> nn.Module:
     """Builds the model that `model_config.name` names."""
     name = model_config.name
@@ -128,7 +152,10 @@ def create_model(model_config, num_classes: int, dtype: Dtype) -> nn.Module:
                         stem_width=model_config.stem_width,
                         bn_momentum=model_config.bn_momentum,
                         head_scale=model_config.head_scale, dtype=dtype)
-    raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn")
+    if name == "mlp":
+        return MLP(num_classes=num_classes, hidden_sizes=tuple(model_config.hidden_sizes),
+                   batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype)
+    raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp")
 
 
 def count_params(params) -> int:

@@ -106,13 +106,15 @@ def train_step(state, images, labels, key, *, mean, std, augment_kwargs, num_cla
 
     With skip_nonfinite, a step whose loss is not finite leaves the state as it was.
     """
-    images = augment.augment_batch(images, key, **augment_kwargs)
+    augment_key, dropout_key = jax.random.split(key)
+    images = augment.augment_batch(images, augment_key, **augment_kwargs)
     inputs = normalize(images, mean, std)
     targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
 
     def loss_fn(params):
         logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
-                                         inputs, train=True, mutable=["batch_stats"])
+                                         inputs, train=True, mutable=["batch_stats"],
+                                         rngs={"dropout": dropout_key})
         loss = optax.softmax_cross_entropy(logits, targets).mean()
         return loss, (logits, updates.get("batch_stats", state.batch_stats))
 

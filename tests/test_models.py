@@ -68,3 +68,52 @@ def test_batch_norm_train_and_eval_modes_differ_and_stats_update():
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="unknown model.name 'resnet'"):
         models.create_model(model_config("resnet"), 10, jnp.float32)
+
+
+def test_mlp_matches_the_articles_bp_network():
+    model = models.create_model(model_config("mlp", hidden_sizes=(256, 128, 100),
+                                             batch_norm=True), 10, jnp.float32)
+    variables = init(model, (2, 28, 28, 1))
+    # torch: Linear 784-256, BN1d(256), Linear 256-128, BN1d(128), Linear 128-100, BN1d(100),
+    # Linear 100-10
+    assert models.count_params(variables["params"]) == 248734
+    assert len(variables["batch_stats"]) == 3
+
+
+def test_mlp_batch_norm_uses_batch_statistics_only_in_training():
+    model = models.create_model(model_config("mlp", hidden_sizes=(32,), batch_norm=True), 10,
+                                jnp.float32)
+    variables = init(model, (2, 28, 28, 1))
+    x = jax.random.normal(jax.random.key(1), (8, 28, 28, 1))
+    # inference mode is per example: one image gives the same logits alone or in a batch
+    alone = model.apply(variables, x[:1], train=False)
+    np.testing.assert_allclose(model.apply(variables, x, train=False)[:1], alone, rtol=1e-5)
+    # training mode normalises with the batch, so the other images change the result
+    in_batch, _ = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    in_other_batch, _ = model.apply(variables, jnp.concatenate([x[:1], 2 * x[1:]]), train=True,
+                                    mutable=["batch_stats"])
+    assert not np.allclose(in_batch[0], in_other_batch[0])
+
+
+def test_mlp_dropout_only_in_training():
+    model = models.create_model(model_config("mlp", hidden_sizes=(64,), dropout=0.5), 10,
+                                jnp.float32)
+    variables = init(model, (2, 28, 28, 1))
+    x = jax.random.normal(jax.random.key(1), (4, 28, 28, 1))
+
+    def train_logits(seed):
+        return model.apply(variables, x, train=True, mutable=["batch_stats"],
+                           rngs={"dropout": jax.random.key(seed)})[0]
+
+    assert not np.allclose(train_logits(0), train_logits(1))
+    np.testing.assert_array_equal(model.apply(variables, x), model.apply(variables, x))
+
+
+@pytest.mark.parametrize("name", ["seed_cnn", "cifar_cnn", "mlp"])
+def test_every_model_takes_one_channel_28x28_images(name):
+    model = models.create_model(model_config(name, batch_norm=True), 10, jnp.float32)
+    variables = init(model, (2, 28, 28, 1))
+    logits = model.apply(variables, jnp.ones((3, 28, 28, 1)))
+    assert logits.shape == (3, 10)
+    if name == "seed_cnn":  # conv 5x5 -> 24 -> pool 12 -> conv -> 8 -> pool 4: 16*4*4 inputs
+        assert variables["params"]["Dense_0"]["kernel"].shape == (256, 120)

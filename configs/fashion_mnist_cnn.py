@@ -1,0 +1,28 @@
+"""Fashion-MNIST with a small cifar_cnn (BatchNorm CNN) on 1-channel 28x28 images."""
+from configs import default
+
+
+def get_config():
+    config = default.get_config()
+    config.data.name = "fashion_mnist"
+    config.model.name = "cifar_cnn"
+    config.model.widths = (32, 64, 128)
+    config.model.stem_width = 16
+    config.optimizer.name = "sgd"
+    config.optimizer.nesterov = True
+    config.optimizer.momentum = 0.9
+    config.optimizer.learning_rate = 0.4
+    config.optimizer.weight_decay = 5e-4
+    config.optimizer.schedule = "onecycle"
+    config.optimizer.warmup_fraction = 0.2
+    config.optimizer.start_lr_fraction = 0.1
+    config.augment.flip = True
+    config.augment.translate = 2
+    config.augment.pad_mode = "constant"  # black borders, like the images' own background
+    config.train.batch_size = 256
+    config.train.num_epochs = 10
+    config.train.label_smoothing = 0.1
+    config.train.precision = "float32"  # the CPU has no fast bfloat16 convolutions
+    config.eval.batch_size = 2000
+    config.eval.tta = "flip"
+    return config
