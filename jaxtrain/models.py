@@ -158,5 +158,9 @@ def create_model(model_config, num_classes: int, dtype: Dtype) -> nn.Module:
     raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp")
 
 
+def is_convolutional(name: str) -> bool:
+    return name in ("seed_cnn", "cifar_cnn")
+
+
 def count_params(params) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree_util.tree_leaves(params)))

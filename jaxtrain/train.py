@@ -237,16 +237,17 @@ def plan_chunks(total_steps: int, steps_per_epoch: int, log_every_steps: int,
     return plan
 
 
-def resolve_loop(loop: str) -> str:
-    """train.loop 'auto': one lax.scan per chunk on accelerators, a Python loop on the CPU.
+def resolve_loop(loop: str, convolutional: bool) -> str:
+    """train.loop 'auto': one lax.scan per chunk, except for convolutional models on the CPU.
 
     XLA:CPU runs convolution weight gradients inside a while loop on a slow
     generic path (measured here: the weight gradient of one 3x3 conv, 64 to 64
     channels, batch 256 at 16x16, took 7.9 s per iteration inside lax.scan and
-    0.35 s outside), so on the CPU each step is its own compiled call instead.
+    0.35 s outside), so there each step is its own compiled call instead. Dense
+    models scan on the CPU too (the MLP recipe: 3.6 s against 5.3 s for 1,404 steps).
     """
     if loop == "auto":
-        return "python" if jax.default_backend() == "cpu" else "scan"
+        return "python" if convolutional and jax.default_backend() == "cpu" else "scan"
     return loop
 
 
@@ -407,8 +408,8 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
     compile_start = time.perf_counter()
     order_fn = jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)))
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
-    run_chunk = compile_chunks(resolve_loop(config.train.loop), state, x_train, y_train,
-                               order_fn(data_key, np.int32(0)),
+    loop = resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+    run_chunk = compile_chunks(loop, state, x_train, y_train, order_fn(data_key, np.int32(0)),
                                {length for _, _, length in plan}, step_kwargs)
     eval_fn = compile_eval(config, run, state, eval_arrays)
     compile_seconds = time.perf_counter() - compile_start
