@@ -26,11 +26,12 @@ class Classifier:
         """Returns (labels int32 (N,), probabilities float32 (N, classes))."""
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.shape[1:] != self.image_shape:
-            raise ValueError(f"expected uint8 images of shape (N, {', '.join(map(str, self.image_shape))}), "
+            raise ValueError(f"expected uint8 images of shape (N, {self.image_shape}), "
                              f"got {images.dtype} {images.shape}")
-        probabilities = [np.asarray(jax.nn.softmax(self._logits(self.state, images[i:i + self.batch_size])))
-                         for i in range(0, len(images), self.batch_size)]
-        probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, len(self.class_names)), np.float32)
+        batches = [images[i:i + self.batch_size] for i in range(0, len(images), self.batch_size)]
+        probabilities = np.concatenate(
+            [np.asarray(jax.nn.softmax(self._logits(self.state, batch))) for batch in batches]
+            or [np.zeros((0, len(self.class_names)), np.float32)])
         return probabilities.argmax(-1).astype(np.int32), probabilities
 
 
