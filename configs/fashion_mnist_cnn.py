@@ -1,4 +1,9 @@
-"""Fashion-MNIST with a small cifar_cnn (BatchNorm CNN) on 1-channel 28x28 images."""
+"""Fashion-MNIST with a narrow cifar_cnn (BatchNorm CNN) on 1-channel 28x28 images.
+
+Sized for the 10-minute CPU budget: widths (16, 32, 64) train at about 42 s an
+epoch on this project's 2-core CPU, against 104-110 s for (24, 48, 96) or
+(32, 64, 128).
+"""
 from configs import default
 
 
@@ -6,8 +11,8 @@ def get_config():
     config = default.get_config()
     config.data.name = "fashion_mnist"
     config.model.name = "cifar_cnn"
-    config.model.widths = (32, 64, 128)
-    config.model.stem_width = 16
+    config.model.widths = (16, 32, 64)
+    config.model.stem_width = 8
     config.optimizer.name = "sgd"
     config.optimizer.nesterov = True
     config.optimizer.momentum = 0.9
@@ -20,7 +25,7 @@ def get_config():
     config.augment.translate = 2
     config.augment.pad_mode = "constant"  # black borders, like the images' own background
     config.train.batch_size = 256
-    config.train.num_epochs = 10
+    config.train.num_epochs = 12
     config.train.label_smoothing = 0.1
     config.train.precision = "float32"  # the CPU has no fast bfloat16 convolutions
     config.eval.batch_size = 2000

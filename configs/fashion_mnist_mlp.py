@@ -1,6 +1,7 @@
 """Fashion-MNIST with the "BP network" of the second seed article: an MLP
 784-256-128-100-10 with BatchNorm1d after each hidden layer, Adam lr 0.001,
-batch 128, 10 epochs, float32."""
+batch 128, 10 epochs, float32; plus a linear learning-rate decay to 0, which
+lifts the final test accuracy from 88.7% (constant rate) to 89.8% (README)."""
 from configs import default
 
 
@@ -12,6 +13,7 @@ def get_config():
     config.model.batch_norm = True
     config.optimizer.name = "adam"
     config.optimizer.learning_rate = 0.001
+    config.optimizer.schedule = "linear"
     config.train.batch_size = 128
     config.train.num_epochs = 10
     config.train.precision = "float32"
