@@ -201,13 +201,13 @@ def load_idx_dir(path: str, class_names: tuple[str, ...]) -> Dataset:
         if labels.size and labels.max() >= len(class_names):
             raise DataError(f'{label_path}: labels outside 0..{len(class_names) - 1} '
                             f'(found {labels.max()})')
-        splits[split] = (images[..., None], labels.astype(np.int32), image_path)
+        # a copy: frombuffer arrays are read-only, which other libraries warn about
+        splits[split] = (images[..., None].copy(), labels.astype(np.int32), image_path)
     (x_train, y_train, train_path), (x_test, y_test, test_path) = splits['train'], splits['test']
     if x_train.shape[1:] != x_test.shape[1:]:
         raise DataError(f'{test_path}: images are {x_test.shape[1:3]}, the training images '
                         f'in {train_path} are {x_train.shape[1:3]}')
-    return Dataset(x_train=np.ascontiguousarray(x_train), y_train=y_train,
-                   x_test=np.ascontiguousarray(x_test), y_test=y_test,
+    return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
                    class_names=class_names, origin=path)
 
 

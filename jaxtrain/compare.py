@@ -1,0 +1,508 @@
+"""Train one config with jaxtrain and with PyTorch; compare time and accuracy.
+
+    python -m jaxtrain.compare --config=configs/cifar_seed_cnn.py [--config.KEY=VALUE ...] \\
+        [--frameworks=jax,torch_article,torch_fast] [--workdir=runs/compare]
+
+- jax: jaxtrain itself (train.train_and_evaluate).
+- torch_article: the seed article's PyTorch: a Dataset with per-sample transforms,
+  a DataLoader with 2 workers, the plain loop with loss.item() every step.
+- torch_fast: the best PyTorch we can write for the same recipe: the data on the
+  device as uint8, batches gathered and augmented there, channels_last,
+  bfloat16 autocast when the config says bfloat16, torch.compile on CUDA.
+
+All three train the same architecture (parameter counts checked), with the same
+initialisation scheme, optimiser, schedule, batch size, number of examples,
+augmentation, label smoothing and evaluation, so the table compares frameworks.
+torch_article always trains in float32, as the article does. Writes
+compare.json and compare.png (test accuracy against seconds) into the workdir.
+torch is imported only when a torch framework runs.
+"""
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain import data, models, optim, report, train
+
+FRAMEWORKS = ("jax", "torch_article", "torch_fast")
+JSON_FILE = "compare.json"
+PLOT_FILE = "compare.png"
+
+
+class CompareError(RuntimeError):
+    """The comparison cannot run (no torch, an unknown framework, models that differ)."""
+
+
+def import_torch():
+    try:
+        import torch
+        import torch._dynamo  # noqa: F401  the first optimiser imports it (1.3 s): not a run's time
+    except ImportError as error:
+        raise CompareError("torch_article and torch_fast need PyTorch (pip install torch; "
+                           f"torchvision is not needed) [{error}]") from error
+    return torch
+
+
+def flax_param_count(config, dataset) -> int:
+    model = models.create_model(config.model, dataset.num_classes,
+                                train.PRECISIONS[config.train.precision])
+    shapes = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
+                            jnp.zeros((1, *dataset.image_shape), jnp.float32))
+    return models.count_params(shapes["params"])
+
+
+def learning_rates(opt, total_steps: int) -> list[float]:
+    """The learning rate of every step, from jaxtrain's own schedule."""
+    schedule = optim.create_schedule(opt, total_steps)
+    rates = np.broadcast_to(np.asarray(schedule(jnp.arange(total_steps))), (total_steps,))
+    return [float(rate) for rate in rates]
+
+
+def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epochs: int):
+    """jaxtrain's schedule: after the last step and every `every_epochs` epochs."""
+    epoch_done = step % steps_per_epoch == 0
+    return step == total_steps or (epoch_done and every_epochs > 0
+                                   and (step // steps_per_epoch) % every_epochs == 0)
+
+
+# ---------------------------------------------------------------- PyTorch recipe
+
+def create_torch_optimizer(opt, model):
+    """optax's SGD/Adam with coupled weight decay are torch's SGD/Adam(weight_decay);
+    optax.adamw is torch's AdamW. The learning rate is set every step (torch_step)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=opt.learning_rate, momentum=opt.momentum,
+                               nesterov=opt.nesterov and opt.momentum > 0,
+                               weight_decay=opt.weight_decay)
+    if opt.name == "adam":
+        return torch.optim.Adam(params, lr=opt.learning_rate, betas=(opt.b1, opt.b2),
+                                eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.name == "adamw":
+        return torch.optim.AdamW(params, lr=opt.learning_rate, betas=(opt.b1, opt.b2),
+                                 eps=opt.eps, weight_decay=opt.weight_decay)
+    raise ValueError(f"unknown optimizer.name {opt.name!r}; choose one of: "
+                     + ", ".join(optim.OPTIMIZERS))
+
+
+def torch_recipe(config, dataset, device):
+    """The twin model (seeded by config.seed), its optimiser and the loss."""
+    import torch
+
+    from jaxtrain import torch_models
+
+    torch.manual_seed(config.seed)
+    model = torch_models.create_model(config.model, dataset.num_classes, dataset.image_shape)
+    model = model.to(device)
+    optimizer = create_torch_optimizer(config.optimizer, model)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
+    return model, optimizer, criterion
+
+
+def torch_step(model, optimizer, criterion, inputs, labels, lr: float,
+               autocast=contextlib.nullcontext()):
+    """One training step: this step's learning rate, forward, loss, backward, update."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    with autocast:
+        loss = criterion(model(inputs), labels)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def torch_evaluate(model, batches, *, mean, std, tta, pad_mode, device,
+                   autocast=contextlib.nullcontext()):
+    """Test loss and accuracy with BatchNorm in eval mode and the config's TTA; batches
+    yield (images in [0, 1] or uint8, NCHW, labels)."""
+    import torch
+
+    from jaxtrain import torch_models
+
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad(), autocast:
+        for images, labels in batches:
+            images, labels = images.to(device), labels.to(device)
+            views, weights = torch_models.tta_views(images, tta, pad_mode)
+            logits = sum(w * model(torch_models.normalize(v, mean, std)).float()
+                         for v, w in zip(views, weights))
+            loss_sum += torch.nn.functional.cross_entropy(logits.float(), labels,
+                                                          reduction="sum")
+            correct += (logits.argmax(-1) == labels).sum()
+            count += len(labels)
+    model.train()
+    return {"loss": float(loss_sum) / count, "accuracy": float(correct) / count}
+
+
+def device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def synchronize(device):
+    """Waits for queued device work, so the clock measures it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ArticleDataset:
+    """A map-style dataset over uint8 HWC arrays with a per-sample transform."""
+
+    def __init__(self, images, labels, transform):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.transform(self.images[index]), int(self.labels[index])
+
+
+class Progress:
+    """Times a torch run (training and evaluation, like jaxtrain's train_seconds), evaluates
+    on jaxtrain's schedule and prints one line per evaluation."""
+
+    def __init__(self, name, config, steps_per_epoch, total_steps, device, evaluate):
+        self.name, self.config, self.device, self.evaluate = name, config, device, evaluate
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.curve, self.eval_seconds, self.metrics = [], 0.0, None
+        self.start = time.perf_counter()
+
+    def seconds(self):
+        synchronize(self.device)
+        return time.perf_counter() - self.start
+
+    def after_step(self, step: int, train_loss) -> bool:
+        """Evaluates when jaxtrain would; says whether it did (train_loss() is the mean
+        since the last evaluation)."""
+        if not evaluates_after(step, self.steps_per_epoch, self.total_steps,
+                               self.config.eval.every_epochs):
+            return False
+        start = self.seconds()
+        self.metrics = self.evaluate()
+        seconds = self.seconds()
+        self.eval_seconds += seconds - start
+        self.curve.append({"seconds": round(seconds, 4),
+                           "test_accuracy": self.metrics["accuracy"]})
+        print(f"{self.name}: epoch {step / self.steps_per_epoch:.2f}  step {step}  "
+              f"train_loss {train_loss():.4f}  test_loss {self.metrics['loss']:.4f}  "
+              f"test_acc {self.metrics['accuracy']:.2%}  seconds {seconds:.2f}", flush=True)
+        return True
+
+    def result(self, warmup_seconds, param_count, precision):
+        import torch
+
+        train_seconds = self.seconds()
+        steps, batch_size = self.total_steps, self.config.train.batch_size
+        return {"device": device_name(self.device), "warmup_seconds": warmup_seconds,
+                "train_seconds": train_seconds, "eval_seconds": self.eval_seconds,
+                "images_per_second": steps * batch_size / max(train_seconds - self.eval_seconds,
+                                                              1e-9),
+                "test_accuracy": self.metrics["accuracy"], "test_loss": self.metrics["loss"],
+                "param_count": param_count, "steps": steps, "examples_seen": steps * batch_size,
+                "precision": precision, "version": f"torch {torch.__version__}",
+                "curve": self.curve}
+
+
+def run_torch_article(config, dataset, mean, std, total_steps: int) -> dict:
+    """The seed article's way: per-sample transforms in 2 DataLoader workers
+    (shuffle, drop_last: as many examples as jaxtrain sees), float32, loss.item()
+    every step."""
+    import torch
+
+    from jaxtrain import torch_models
+
+    start = time.perf_counter()
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model, optimizer, criterion = torch_recipe(config, dataset, device)
+    batch_size = config.train.batch_size
+    transform = functools.partial(torch_models.article_transform,
+                                  augment=config.augment.to_dict(), mean=mean, std=std)
+    trainloader = torch.utils.data.DataLoader(
+        ArticleDataset(dataset.x_train, dataset.y_train, transform), batch_size=batch_size,
+        shuffle=True, num_workers=2, drop_last=True)
+    # Normalize comes after the TTA views (in torch_evaluate): jaxtrain pads with black.
+    testloader = torch.utils.data.DataLoader(
+        ArticleDataset(dataset.x_test, dataset.y_test, torch_models.to_tensor),
+        batch_size=config.eval.batch_size, shuffle=False, num_workers=2)
+    rates = learning_rates(config.optimizer, total_steps)
+    evaluate = functools.partial(torch_evaluate, model, testloader, mean=mean, std=std,
+                                 tta=config.eval.tta, pad_mode=config.augment.pad_mode,
+                                 device=device)
+    warmup_seconds = time.perf_counter() - start
+
+    progress = Progress("torch_article", config, len(dataset.x_train) // batch_size,
+                        total_steps, device, evaluate)
+    step, running_loss, running_steps = 0, 0.0, 0
+    with warnings.catch_warnings():
+        # JAX warns on every fork; the workers run only numpy and torch code, never JAX.
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+        while step < total_steps:
+            for inputs, labels in trainloader:
+                inputs, labels = inputs.to(device), labels.to(device)
+                loss = torch_step(model, optimizer, criterion, inputs, labels, rates[step])
+                running_loss += loss.item()
+                running_steps += 1
+                step += 1
+                if progress.after_step(step, lambda: running_loss / running_steps):
+                    running_loss, running_steps = 0.0, 0
+                if step == total_steps:
+                    break
+    return progress.result(warmup_seconds, torch_models.count_params(model), "float32")
+
+
+def run_torch_fast(config, dataset, mean, std, total_steps: int,
+                   torch_compile=None) -> dict:
+    """The same recipe as fast as we can write it: uint8 data resident on the device,
+    a torch.randperm order per epoch, each batch gathered and augmented there in one
+    go, channels_last, bfloat16 autocast when config.train.precision says so, no host
+    sync in the loop, and torch.compile (default: on CUDA only; compiling on a CPU
+    costs more than it saves for these runs)."""
+    import torch
+
+    from jaxtrain import torch_models
+
+    start = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch_compile = device.type == "cuda" if torch_compile is None else torch_compile
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    model, optimizer, criterion = torch_recipe(config, dataset, device)
+    model = model.to(memory_format=torch.channels_last)
+    forward = torch.compile(model) if torch_compile else model
+    x_train = torch.from_numpy(dataset.x_train).to(device)  # uint8 NHWC
+    y_train = torch.from_numpy(dataset.y_train).long().to(device)
+    x_test = torch.from_numpy(dataset.x_test).to(device)
+    y_test = torch.from_numpy(dataset.y_test).long().to(device)
+    augment = config.augment.to_dict()
+    bfloat16 = config.train.precision == "bfloat16"
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
+    rates = learning_rates(config.optimizer, total_steps)
+    batch_size, eval_batch = config.train.batch_size, config.eval.batch_size
+
+    def batch(indices):
+        images = x_train[indices].permute(0, 3, 1, 2)  # NCHW view, channels_last memory
+        images = torch_models.augment_batch(images, **augment)
+        inputs = torch_models.normalize(images, mean, std)
+        return inputs.contiguous(memory_format=torch.channels_last), y_train[indices]
+
+    def test_batches():
+        for i in range(0, len(x_test), eval_batch):
+            yield x_test[i:i + eval_batch].permute(0, 3, 1, 2), y_test[i:i + eval_batch]
+
+    def evaluate():
+        return torch_evaluate(forward, test_batches(), mean=mean, std=std, tta=config.eval.tta,
+                              pad_mode=config.augment.pad_mode, device=device,
+                              autocast=autocast)
+
+    # Warm-up (compilation, cuDNN autotuning) without changing the run: forward and
+    # backward on one batch and one evaluation batch, then the BatchNorm statistics
+    # are put back and the gradients dropped; the optimiser state is untouched.
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, labels = batch(torch.arange(batch_size, device=device))
+    with autocast:
+        criterion(forward(inputs), labels).backward()
+    optimizer.zero_grad(set_to_none=True)
+    forward.eval()
+    with torch.no_grad(), autocast:
+        forward(torch_models.normalize(x_test[:eval_batch].permute(0, 3, 1, 2), mean, std)
+                .contiguous(memory_format=torch.channels_last))
+    forward.train()
+    model.load_state_dict(saved)
+    synchronize(device)
+    warmup_seconds = time.perf_counter() - start
+
+    steps_per_epoch = len(x_train) // batch_size
+    progress = Progress("torch_fast", config, steps_per_epoch, total_steps, device, evaluate)
+    step = 0
+    loss_sum, loss_steps = torch.zeros((), device=device), 0
+    while step < total_steps:
+        order = torch.randperm(len(x_train), device=device)
+        for i in range(min(steps_per_epoch, total_steps - step)):
+            inputs, labels = batch(order[i * batch_size:(i + 1) * batch_size])
+            loss = torch_step(forward, optimizer, criterion, inputs, labels, rates[step],
+                              autocast)
+            loss_sum += loss.detach().float()
+            loss_steps += 1
+            step += 1
+            if progress.after_step(step, lambda: float(loss_sum) / loss_steps):
+                loss_sum, loss_steps = torch.zeros((), device=device), 0
+    return progress.result(warmup_seconds, torch_models.count_params(model),
+                           config.train.precision)
+
+
+# ---------------------------------------------------------------- jaxtrain
+
+def run_jax(config, workdir: str) -> dict:
+    """jaxtrain itself, in a fresh workdir/jax (an old one would be resumed)."""
+    jax_dir = os.path.join(workdir, "jax")
+    shutil.rmtree(jax_dir, ignore_errors=True)
+    summary = train.train_and_evaluate(config, jax_dir)
+    curve = [{"seconds": r["seconds"], "test_accuracy": r["test_accuracy"]}
+             for r in report.read_metrics(jax_dir) if "test_accuracy" in r]
+    return {"device": summary["device_kind"], "warmup_seconds": summary["compile_seconds"],
+            "train_seconds": summary["train_seconds"], "eval_seconds": summary["eval_seconds"],
+            "images_per_second": summary["images_per_second"],
+            "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
+            "param_count": summary["param_count"], "steps": summary["steps"],
+            "examples_seen": summary["steps"] * summary["batch_size"],
+            "precision": config.train.precision, "version": f"jax {jax.__version__}",
+            "curve": curve}
+
+
+# ---------------------------------------------------------------- the comparison
+
+TABLE = (("framework", "framework", 14, "s"), ("device", "device", 14, "s"),
+         ("precision", "precision", 9, "s"),
+         ("warmup_seconds", "warm-up s", 9, ".2f"), ("train_seconds", "train s", 9, ".2f"),
+         ("images_per_second", "images/s", 9, ".0f"), ("test_accuracy", "test acc", 8, ".2%"),
+         ("test_loss", "test loss", 9, ".4f"), ("param_count", "params", 10, ",d"))
+
+
+def format_table(results: list[dict]) -> str:
+    lines = [" ".join(f"{header:>{width}}" if i else f"{header:<{width}}"
+                      for i, (_, header, width, _) in enumerate(TABLE))]
+    for row in results:
+        lines.append(" ".join(f"{row[key]:>{width}{spec}}" if i else f"{row[key]:<{width}}"
+                              for i, (key, _, width, spec) in enumerate(TABLE)))
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str, title: str) -> str:
+    """Test accuracy against training wall-clock seconds, one line per framework."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in results:
+        ax.plot([p["seconds"] for p in row["curve"]],
+                [p["test_accuracy"] for p in row["curve"]], "o-",
+                label=f"{row['framework']} ({row['device']})")
+    ax.set_xlabel("seconds (training and evaluation, compilation excluded)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
+        torch_compile=None) -> dict:
+    """Trains the config with each framework in turn; prints the table and writes
+    compare.json and compare.png into workdir. Returns what compare.json holds."""
+    frameworks = list(frameworks)
+    unknown = [f for f in frameworks if f not in FRAMEWORKS]
+    if unknown or not frameworks:
+        raise CompareError(f"unknown framework(s) {', '.join(unknown) or '(none given)'}; "
+                           f"choose from: {', '.join(FRAMEWORKS)}")
+    train.check_config(config)
+    if any(f != "jax" for f in frameworks):
+        import_torch()  # fail before any training when torch is missing
+    dataset = data.load(config.data.name, config.data.source, config.data.dir or None)
+    mean, std = train.channel_stats(dataset, config)
+    steps_per_epoch = len(dataset.x_train) // config.train.batch_size
+    if steps_per_epoch == 0:
+        raise train.ConfigError(f"config.train.batch_size={config.train.batch_size} is larger "
+                                f"than the training split ({len(dataset.x_train)} images)")
+    total_steps = (config.train.num_steps if config.train.num_steps > 0
+                   else config.train.num_epochs * steps_per_epoch)
+    param_count = flax_param_count(config, dataset)
+    print(f"{config.model.name}: {param_count:,} parameters in jaxtrain; {total_steps} steps "
+          f"of batch {config.train.batch_size} on {dataset.origin}", flush=True)
+
+    os.makedirs(workdir, exist_ok=True)
+    output = {"model": config.model.name, "param_count": param_count, "steps": total_steps,
+              "batch_size": config.train.batch_size, "dataset": dataset.origin,
+              "config": config.to_dict(), "results": []}
+    for framework in frameworks:
+        print(f"--- {framework}", flush=True)
+        if framework == "jax":
+            result = run_jax(config, workdir)
+        elif framework == "torch_article":
+            result = run_torch_article(config, dataset, mean, std, total_steps)
+        else:
+            result = run_torch_fast(config, dataset, mean, std, total_steps, torch_compile)
+        print(f"{framework}: {result['param_count']:,} parameters", flush=True)
+        if result["param_count"] != param_count:
+            raise CompareError(f"{framework} trained {result['param_count']:,} parameters, "
+                               f"jaxtrain's {config.model.name} has {param_count:,}")
+        output["results"].append({"framework": framework, **result})
+        report.write_json_atomically(os.path.join(workdir, JSON_FILE), output)
+
+    print(format_table(output["results"]))
+    plot(output["results"], os.path.join(workdir, PLOT_FILE),
+         f"{config.model.name}, {total_steps} steps of batch {config.train.batch_size}")
+    print(f"-> {os.path.join(workdir, JSON_FILE)}, {os.path.join(workdir, PLOT_FILE)}")
+    return output
+
+
+# ---------------------------------------------------------------- command line
+
+def define_flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
+                                    lock_config=True)
+    flags.DEFINE_list("frameworks", list(FRAMEWORKS), "Comma-separated, run in this order: "
+                      + ", ".join(FRAMEWORKS))
+    flags.DEFINE_string("workdir", "runs/compare", "Where compare.json, compare.png and "
+                        "jaxtrain's run (in jax/, started afresh) go.")
+    flags.DEFINE_enum("torch_compile", "auto", ["auto", "on", "off"],
+                      "torch_fast: torch.compile the model; auto = on CUDA only.")
+    flags.mark_flag_as_required("config")
+    flags.register_validator(
+        "frameworks", lambda names: bool(names) and all(n in FRAMEWORKS for n in names),
+        message="--frameworks must be a comma-separated list of: " + ", ".join(FRAMEWORKS))
+
+
+def parse_flags(argv):
+    """absl flag parsing, with a one-line error instead of a traceback."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        sys.exit(f"error: {error}")
+    except (AttributeError, KeyError) as error:  # an unknown --config.KEY
+        sys.exit(f"error: unknown config key {str(error).strip(chr(34) + chr(39))!r} "
+                 "(configs/default.py lists every key)")
+
+
+def main(argv):
+    from absl import app, flags, logging
+
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    FLAGS = flags.FLAGS
+    torch_compile = {"auto": None, "on": True, "off": False}[FLAGS.torch_compile]
+    try:
+        run(FLAGS.config, FLAGS.frameworks, FLAGS.workdir, torch_compile=torch_compile)
+    except (CompareError, data.DataError, train.ConfigError, train.TrainingError) as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,311 @@
+"""The PyTorch side of jaxtrain.compare: twins of jaxtrain/models.py and of its input path.
+
+The twins have the same layers, parameter counts and initialisation schemes
+as the Flax models, so a comparison measures the frameworks and not two
+different networks; `load_flax_variables` copies Flax weights into a twin
+(the tests use it to show one training step gives the same result in both).
+The augmentations draw the same distributions as jaxtrain/augment.py and move
+the same pixels; they work on (N, C, H, W) batches of any dtype, so the same
+code serves per-sample transforms (a batch of one) and on-device batches.
+
+One difference stays: in training, torch BatchNorm updates its running
+variance with the unbiased batch variance (n / (n - 1) times Flax's). Only
+the evaluation of BatchNorm models sees it.
+"""
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class Scale(nn.Module):
+    """Multiplies the logits, in float32, by a constant (cifar_cnn's head_scale)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return x.float() * self.scale
+
+    def extra_repr(self):
+        return f"scale={self.scale:g}"
+
+
+def batch_norm(features: int, flax_momentum: float, use_scale: bool = True, dims: int = 2):
+    """Flax BatchNorm(momentum=m) is torch momentum 1 - m (epsilon 1e-5 in both).
+
+    Flax's use_scale=False becomes a torch weight frozen at 1, so it neither
+    trains nor counts as a parameter.
+    """
+    bn = (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(features, eps=1e-5,
+                                                            momentum=1.0 - flax_momentum)
+    if not use_scale:
+        bn.weight.requires_grad_(False)
+    return bn
+
+
+def lecun_normal_(model: nn.Module) -> nn.Module:
+    """Flax's default init: kernels truncated normal (at 2 std) with variance 1/fan_in,
+    zero biases (torch's own default is a uniform distribution)."""
+    for layer in model.modules():
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            fan_in = layer.weight[0].numel()
+            std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of N(0, 1) cut at +-2
+            nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+    return model
+
+
+def seed_cnn(num_classes: int, image_shape, use_batch_norm: bool = False) -> nn.Sequential:
+    """The seed article's Net (conv 6@5x5, pool, conv 16@5x5, pool, dense 120, 84), in
+    PyTorch's default initialisation, which the Flax model copies."""
+    height, width, channels = image_shape
+    layers = []
+    for in_channels, out_channels in ((channels, 6), (6, 16)):
+        layers.append(nn.Conv2d(in_channels, out_channels, 5))
+        if use_batch_norm:
+            layers.append(batch_norm(out_channels, 0.9))
+        layers += [nn.ReLU(), nn.MaxPool2d(2)]
+        height, width = (height - 4) // 2, (width - 4) // 2
+    layers.append(nn.Flatten())
+    features = 16 * height * width
+    for size in (120, 84):
+        layers.append(nn.Linear(features, size))
+        if use_batch_norm:
+            layers.append(batch_norm(size, 0.9, dims=1))
+        layers.append(nn.ReLU())
+        features = size
+    layers.append(nn.Linear(features, num_classes))
+    return nn.Sequential(*layers)
+
+
+def cifar_cnn(num_classes: int, image_shape, widths=(64, 256, 256), stem_width: int = 24,
+              bn_momentum: float = 0.6, head_scale: float = 1.0 / 9.0) -> nn.Sequential:
+    """2x2 stem conv, three blocks (each an inner Sequential, Flax's ConvBlock), global
+    max-pool, bias-free head times head_scale; tanh-approximate GELU, as Flax's default."""
+    layers = [nn.Conv2d(image_shape[-1], stem_width, 2), nn.GELU(approximate="tanh")]
+    in_channels = stem_width
+    for width in widths:
+        layers.append(nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.MaxPool2d(2),
+            batch_norm(width, bn_momentum, use_scale=False), nn.GELU(approximate="tanh"),
+            nn.Conv2d(width, width, 3, padding=1, bias=False),
+            batch_norm(width, bn_momentum, use_scale=False), nn.GELU(approximate="tanh")))
+        in_channels = width
+    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+               nn.Linear(in_channels, num_classes, bias=False), Scale(head_scale)]
+    return lecun_normal_(nn.Sequential(*layers))
+
+
+def mlp(num_classes: int, image_shape, hidden_sizes=(256, 128, 100), use_batch_norm=True,
+        dropout: float = 0.0) -> nn.Sequential:
+    """Dense - BatchNorm1d - ReLU (- dropout) per hidden layer on flattened images."""
+    layers, features = [nn.Flatten()], int(np.prod(image_shape))
+    for size in hidden_sizes:
+        layers.append(nn.Linear(features, size))
+        if use_batch_norm:
+            layers.append(batch_norm(size, 0.9, dims=1))
+        layers.append(nn.ReLU())
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
+        features = size
+    layers.append(nn.Linear(features, num_classes))
+    return lecun_normal_(nn.Sequential(*layers))
+
+
+def create_model(model_config, num_classes: int, image_shape) -> nn.Sequential:
+    """The twin of jaxtrain.models.create_model; image_shape is (H, W, C), inputs are NCHW."""
+    name = model_config.name
+    if name == "seed_cnn":
+        return seed_cnn(num_classes, image_shape, model_config.batch_norm)
+    if name == "cifar_cnn":
+        return cifar_cnn(num_classes, image_shape, tuple(model_config.widths),
+                         model_config.stem_width, model_config.bn_momentum,
+                         model_config.head_scale)
+    if name == "mlp":
+        return mlp(num_classes, image_shape, tuple(model_config.hidden_sizes),
+                   model_config.batch_norm, model_config.dropout)
+    raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp")
+
+
+def count_params(model: nn.Module) -> int:
+    """Trainable parameters, as jaxtrain.models.count_params counts Flax params."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ---------------------------------------------------------------- Flax -> torch weights
+
+def _tensor(array):
+    return torch.from_numpy(np.array(array, np.float32))  # a writable copy
+
+
+@torch.no_grad()
+def _copy(sequential, params, stats, x):
+    """Copies one Flax scope into a Sequential; x (a dummy batch) tracks the activation shape."""
+    counts, flat_shape = {}, None
+
+    def next_name(kind):
+        counts[kind] = counts.get(kind, 0) + 1
+        return f"{kind}_{counts[kind] - 1}"
+
+    for layer in sequential:
+        if isinstance(layer, nn.Sequential):  # a cifar_cnn ConvBlock
+            name = next_name("ConvBlock")
+            _copy(layer, params[name], stats.get(name, {}), x)
+        elif isinstance(layer, nn.Conv2d):
+            p = params[next_name("Conv")]
+            layer.weight.copy_(_tensor(p["kernel"]).permute(3, 2, 0, 1))  # HWIO -> OIHW
+            if layer.bias is not None:
+                layer.bias.copy_(_tensor(p["bias"]))
+        elif isinstance(layer, nn.Linear):
+            p = params[next_name("Dense")]
+            kernel = _tensor(p["kernel"])  # (in, out)
+            if flat_shape is not None:  # Flax flattened (h, w, c), torch flattens (c, h, w)
+                c, h, w = flat_shape
+                kernel = kernel.reshape(h, w, c, -1).permute(2, 0, 1, 3).reshape(c * h * w, -1)
+                flat_shape = None
+            layer.weight.copy_(kernel.T)
+            if layer.bias is not None:
+                layer.bias.copy_(_tensor(p["bias"]))
+        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            name = next_name("BatchNorm")
+            p, s = params[name], stats[name]
+            scale = _tensor(p["scale"]) if "scale" in p else torch.ones_like(layer.weight)
+            layer.weight.copy_(scale)
+            layer.bias.copy_(_tensor(p["bias"]))
+            layer.running_mean.copy_(_tensor(s["mean"]))
+            layer.running_var.copy_(_tensor(s["var"]))
+        elif isinstance(layer, nn.Flatten):
+            flat_shape = tuple(x.shape[1:])
+        x = layer(x)
+    return x
+
+
+def load_flax_variables(model: nn.Sequential, variables, image_shape) -> nn.Sequential:
+    """Copies Flax variables ({'params': ..., 'batch_stats': ...}) into a twin, in place.
+
+    Flax names layers by kind and order (Conv_0, Dense_1, BatchNorm_2, ConvBlock_0),
+    which is the order of the twin's Sequential.
+    """
+    training = model.training
+    model.eval()  # the dummy batch must not touch the BatchNorm statistics
+    height, width, channels = image_shape
+    device = next(model.parameters()).device
+    _copy(model, variables["params"], variables.get("batch_stats", {}),
+          torch.zeros(1, channels, height, width, device=device))
+    model.train(training)
+    return model
+
+
+# ---------------------------------------------------------------- input path
+
+def to_tensor(image: np.ndarray):
+    """torchvision's ToTensor: HWC uint8 -> CHW float32 in [0, 1]."""
+    return torch.from_numpy(image).permute(2, 0, 1).float().div(255)
+
+
+def normalize(images, mean, std):
+    """(x - mean) / std per channel, x in [0, 1]; uint8 images are scaled first."""
+    x = images.float() / 255 if images.dtype == torch.uint8 else images.float()
+    mean = torch.tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    return (x - mean) / std
+
+
+def gather_pixels(images, rows, cols, inside=None):
+    """Image i's pixel (rows[i], cols[i]) for (N, C, H, W) images and (N, H, W)
+    coordinates; zero (black) where `inside` is False."""
+    n, _, h, w = images.shape
+    batch = torch.arange(n, device=images.device)[:, None, None]
+    out = images[batch, :, rows.clamp(0, h - 1), cols.clamp(0, w - 1)]  # (N, H, W, C)
+    out = out.permute(0, 3, 1, 2)  # NCHW view of NHWC memory: channels_last
+    if inside is not None:
+        out = torch.where(inside[:, None], out, torch.zeros((), dtype=out.dtype,
+                                                            device=out.device))
+    return out
+
+
+def mirrored(images):
+    """Horizontal mirror of every image."""
+    return images.flip(3)
+
+
+def shifted(images, dy, dx, pad_mode: str = "reflect"):
+    """Translates image i by (dy[i], dx[i]) pixels, padding the uncovered border like
+    jaxtrain.augment.shift (numpy/torch 'reflect', or zeros)."""
+    n, _, h, w = images.shape
+    rows = torch.arange(h, device=images.device)[None, :, None] - dy[:, None, None]
+    cols = torch.arange(w, device=images.device)[None, None, :] - dx[:, None, None]
+    rows, cols = rows.expand(n, h, w), cols.expand(n, h, w)
+    if pad_mode == "reflect":
+        rows = (h - 1) - ((h - 1) - rows.abs()).abs()
+        cols = (w - 1) - ((w - 1) - cols.abs()).abs()
+        return gather_pixels(images, rows, cols)
+    inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)
+    return gather_pixels(images, rows, cols, inside)
+
+
+def rotated(images, degrees):
+    """Rotates image i counter-clockwise by degrees[i] about its centre: nearest
+    neighbour, black fill (torchvision's RandomRotation defaults; jaxtrain's formula)."""
+    n, _, h, w = images.shape
+    theta = torch.deg2rad(degrees.float())[:, None, None]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    cy, cx = (h - 1) / 2.0, (w - 1) / 2.0
+    rows, cols = torch.meshgrid(torch.arange(h, dtype=torch.float32, device=images.device),
+                                torch.arange(w, dtype=torch.float32, device=images.device),
+                                indexing="ij")
+    u, v = cols - cx, cy - rows  # y axis pointing up
+    src_cols = torch.round(cos * u + sin * v + cx).long()
+    src_rows = torch.round(cy - (-sin * u + cos * v)).long()
+    inside = (src_rows >= 0) & (src_rows < h) & (src_cols >= 0) & (src_cols < w)
+    return gather_pixels(images, src_rows, src_cols, inside)
+
+
+def augment_batch(images, *, flip: bool = False, translate: int = 0, rotate: float = 0.0,
+                  cutout: int = 0, pad_mode: str = "reflect"):
+    """The `augment` config block on (N, C, H, W) images, each image drawn independently
+    from torch's generator, in jaxtrain's order: rotate, flip, translate, cutout."""
+    n, _, h, w = images.shape
+    device = images.device
+    if rotate:
+        images = rotated(images, (torch.rand(n, device=device) * 2 - 1) * rotate)
+    if flip:
+        mirror = torch.rand(n, device=device) < 0.5
+        images = torch.where(mirror[:, None, None, None], mirrored(images), images)
+    if translate:  # RandomCrop(size, padding=translate): a shift in [-translate, translate]
+        dy, dx = torch.randint(-translate, translate + 1, (2, n), device=device)
+        images = shifted(images, dy, dx, pad_mode)
+    if cutout:
+        top = torch.randint(0, h, (n, 1, 1), device=device) - cutout // 2
+        left = torch.randint(0, w, (n, 1, 1), device=device) - cutout // 2
+        rows = torch.arange(h, device=device)[None, :, None]
+        cols = torch.arange(w, device=device)[None, None, :]
+        hole = (rows >= top) & (rows < top + cutout) & (cols >= left) & (cols < left + cutout)
+        images = torch.where(hole[:, None], torch.zeros((), dtype=images.dtype, device=device),
+                             images)
+    return images
+
+
+def tta_views(images, mode: str, pad_mode: str = "reflect"):
+    """The views and weights of jaxtrain.augment.tta_views, for (N, C, H, W) images."""
+    if mode == "none":
+        return [images], [1.0]
+    if mode == "flip":
+        return [images, mirrored(images)], [0.5, 0.5]
+    if mode == "flip_translate":
+        n = images.shape[0]
+        shifts = [torch.full((n,), d, dtype=torch.long, device=images.device) for d in (-1, 1)]
+        views = [images, mirrored(images)]
+        views += [shifted(v, d, d, pad_mode) for v in views[:2] for d in shifts]
+        return views, [0.25, 0.25] + [0.125] * 4
+    raise ValueError(f"eval.tta must be 'none', 'flip' or 'flip_translate', got {mode!r}")
+
+
+def article_transform(image: np.ndarray, *, augment: dict, mean, std):
+    """The article's per-sample transform: ToTensor, the augmentations, Normalize."""
+    x = augment_batch(to_tensor(image)[None], **augment)[0]
+    return normalize(x, mean, std)

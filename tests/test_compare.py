@@ -1,0 +1,284 @@
+"""jaxtrain against its PyTorch twins, on a real CIFAR-10 subset (2,000 train / 500 test)."""
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from configs import cifar, cifar_seed_cnn, default  # noqa: E402
+from jaxtrain import augment, compare, data, models, optim, torch_models, train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def seed_config(data_dir, **overrides):
+    config = cifar_seed_cnn.get_config()
+    config.data.dir = str(data_dir)
+    config.data.source = "files"
+    config.train.batch_size = 50
+    config.train.num_steps = 20
+    config.eval.batch_size = 200  # 500 test images: the last batch is short
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return config
+
+
+def model_config(name, **overrides):
+    config = default.get_config().model
+    config.name = name
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture(scope="module")
+def comparison(cifar_batches_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("compare")
+    config = seed_config(cifar_batches_dir, augment__flip=True, augment__translate=2,
+                         eval__tta="flip_translate")
+    return workdir, compare.run(config, compare.FRAMEWORKS, str(workdir))
+
+
+def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
+    workdir, output = comparison
+    written = json.loads((workdir / compare.JSON_FILE).read_text())
+    assert [r["framework"] for r in written["results"]] == list(compare.FRAMEWORKS)
+    assert written["param_count"] == 62006 and written["steps"] == 20
+    for row in written["results"]:
+        for key in ("device", "warmup_seconds", "train_seconds", "eval_seconds",
+                    "images_per_second", "test_accuracy", "test_loss", "precision", "version"):
+            assert key in row, (row["framework"], key)
+        assert row["param_count"] == 62006
+        assert row["steps"] == 20 and row["examples_seen"] == 1000
+        assert 0 <= row["test_accuracy"] <= 1
+        assert 1.5 < row["test_loss"] < 3.5  # 20 steps at lr 0.001: near ln(10)
+        assert row["train_seconds"] > row["eval_seconds"] > 0 and row["images_per_second"] > 0
+        assert len(row["curve"]) == 1 and row["curve"][0]["seconds"] > 0
+    assert (workdir / "jax" / "summary.json").exists()
+    assert (workdir / compare.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
+         f"--workdir={tmp_path}", f"--config.data.dir={cifar_batches_dir}",
+         "--config.train.num_steps=5", "--frameworks=jax,torch_fast"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("framework"))
+    assert "images/s" in lines[header] and "test acc" in lines[header]
+    assert lines[header + 1].split()[:2] == ["jax", "cpu"]
+    assert lines[header + 2].split()[:2] == ["torch_fast", "cpu"]
+    assert lines[header + 1].split()[-1] == lines[header + 2].split()[-1] == "62,006"
+    written = json.loads((tmp_path / compare.JSON_FILE).read_text())
+    assert [r["steps"] for r in written["results"]] == [5, 5]
+
+
+def test_command_line_rejects_an_unknown_framework(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
+         f"--workdir={tmp_path}", "--frameworks=jax,tensorflow"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--frameworks must be a comma-separated list of" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("config,expected", [
+    (model_config("seed_cnn"), 62006),
+    (model_config("seed_cnn", batch_norm=True), 62458),
+    (model_config("cifar_cnn", widths=(8, 16, 16), stem_width=8), 9560),
+    (model_config("cifar_cnn"), 1971640),
+    (model_config("mlp", batch_norm=True), 834462),
+    (model_config("mlp", batch_norm=False), 833494),
+], ids=["seed_cnn", "seed_cnn_bn", "cifar_cnn_small", "cifar_cnn", "mlp_bn", "mlp"])
+def test_parameter_counts_are_equal(config, expected):
+    shape = (32, 32, 3)
+    model = models.create_model(config, 10, jnp.float32)
+    variables = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
+                               jnp.zeros((1, *shape)))
+    assert models.count_params(variables["params"]) == expected
+    assert torch_models.count_params(torch_models.create_model(config, 10, shape)) == expected
+
+
+@pytest.mark.parametrize("config", [
+    model_config("seed_cnn", batch_norm=True),
+    model_config("mlp", batch_norm=True, hidden_sizes=(64, 32)),
+], ids=["seed_cnn_bn", "mlp_bn"])
+def test_twins_with_copied_weights_compute_the_same_function(config):
+    """Covers the layout changes: HWIO kernels, (in, out) dense kernels, the (h, w, c)
+    flatten order and the BatchNorm statistics."""
+    shape = (32, 32, 3)
+    model = models.create_model(config, 10, jnp.float32)
+    variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0),
+                                                                    jnp.zeros((1, *shape)))
+    stats = jax.tree.map(lambda v: v + 0.5, variables["batch_stats"])  # not the initial 0, 1
+    variables = {**variables, "batch_stats": stats}
+    twin = torch_models.load_flax_variables(torch_models.create_model(config, 10, shape),
+                                            variables, shape)
+    x = np.random.default_rng(0).normal(size=(4, *shape)).astype(np.float32)
+    expected = np.asarray(jax.jit(functools.partial(model.apply, train=False))(variables, x))
+    got = twin.eval()(torch.from_numpy(x).permute(0, 3, 1, 2)).detach().numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_twin_initialisation_has_the_flax_scale():
+    """cifar_cnn and mlp use Flax's lecun_normal (truncated normal, variance 1/fan_in)."""
+    twin = torch_models.create_model(model_config("mlp", batch_norm=False), 10, (32, 32, 3))
+    weight = twin[1].weight.detach().numpy()  # (256, 3072)
+    assert weight.std() == pytest.approx(np.sqrt(1 / 3072), rel=0.02)
+    assert np.abs(weight).max() <= 2 * np.sqrt(1 / 3072) / 0.8796 + 1e-6
+    assert not twin[1].bias.detach().any()
+
+
+@pytest.mark.parametrize("model", [
+    model_config("seed_cnn"),
+    model_config("cifar_cnn", widths=(8, 16, 16), stem_width=8),
+], ids=["seed_cnn", "cifar_cnn"])
+def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
+    config = cifar.get_config()
+    config.model = model
+    config.optimizer.schedule = "constant"
+    config.optimizer.learning_rate = 0.05
+    config.optimizer.momentum = 0.9
+    config.optimizer.nesterov = True
+    config.optimizer.weight_decay = 5e-3
+    config.train.label_smoothing = 0.2
+    dataset = data.load("cifar10", "files", str(cifar_batches_dir))
+    mean, std = train.channel_stats(dataset, config)
+    images, labels = dataset.x_train[:32], dataset.y_train[:32]
+    shape = dataset.image_shape
+
+    # jaxtrain's own step, float32, no augmentation
+    flax_model = models.create_model(config.model, 10, jnp.float32)
+    tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 10))
+    state = train.create_train_state(jax.random.key(0), flax_model, tx, shape)
+    step = jax.jit(functools.partial(
+        train.train_step, mean=mean, std=std, augment_kwargs={}, num_classes=10,
+        label_smoothing=config.train.label_smoothing))
+    new_state, metrics = step(state, images, labels, jax.random.key(1))
+
+    # the comparison's torch step, from the same weights
+    twin = torch_models.create_model(config.model, 10, shape)
+    torch_models.load_flax_variables(twin, {"params": state.params,
+                                            "batch_stats": state.batch_stats}, shape)
+    optimizer = compare.create_torch_optimizer(config.optimizer, twin)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
+    inputs = torch_models.normalize(torch.from_numpy(images).permute(0, 3, 1, 2), mean, std)
+    rate = compare.learning_rates(config.optimizer, 10)[0]
+    loss = compare.torch_step(twin, optimizer, criterion, inputs,
+                              torch.from_numpy(labels).long(), rate)
+    assert loss.item() == pytest.approx(float(metrics["loss"]), rel=1e-5)
+
+    expected = torch_models.create_model(config.model, 10, shape)
+    torch_models.load_flax_variables(expected, {"params": new_state.params,
+                                                "batch_stats": new_state.batch_stats}, shape)
+    moved = new_state.params["Conv_0"]["kernel"] - state.params["Conv_0"]["kernel"]
+    assert float(jnp.abs(moved).max()) > 1e-4  # the step moved the weights
+    stepped = twin.state_dict()
+    for name, value in expected.state_dict().items():
+        if name.endswith(("running_var", "num_batches_tracked")):
+            continue  # torch keeps the unbiased batch variance: n / (n - 1) times Flax's
+        np.testing.assert_allclose(stepped[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("name,nesterov,schedule", [
+    ("sgd", True, "onecycle"), ("adam", False, "linear"), ("adamw", False, "warmup_cosine")])
+def test_torch_optimizers_follow_optax(name, nesterov, schedule):
+    opt = default.get_config().optimizer
+    opt.name, opt.nesterov, opt.schedule = name, nesterov, schedule
+    opt.learning_rate, opt.weight_decay, opt.warmup_fraction = 0.05, 0.01, 0.3
+    steps = 6
+    tx = optim.create_optimizer(opt, optim.create_schedule(opt, steps))
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=5).astype(np.float32)
+    grads = rng.normal(size=(steps, 5)).astype(np.float32)
+
+    params, opt_state = jnp.asarray(w0), tx.init(jnp.asarray(w0))
+    for g in grads:
+        updates, opt_state = tx.update(jnp.asarray(g), opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+    weight = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    module = torch.nn.Module()
+    module.weight = weight
+    optimizer = compare.create_torch_optimizer(opt, module)
+    for g, rate in zip(grads, compare.learning_rates(opt, steps)):
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        weight.grad = torch.from_numpy(g.copy())
+        optimizer.step()
+    np.testing.assert_allclose(weight.detach().numpy(), np.asarray(params), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["none", "flip", "flip_translate"])
+@pytest.mark.parametrize("pad_mode", ["reflect", "constant"])
+def test_tta_views_are_jaxtrains(cifar_subset, mode, pad_mode):
+    images = cifar_subset["x_test"][:8]
+    jax_views, jax_weights = augment.tta_views(jnp.asarray(images), mode, pad_mode)
+    views, weights = torch_models.tta_views(torch.from_numpy(images).permute(0, 3, 1, 2),
+                                            mode, pad_mode)
+    assert weights == jax_weights
+    for expected, view in zip(jax_views, views):
+        np.testing.assert_array_equal(view.permute(0, 2, 3, 1).numpy(), np.asarray(expected))
+
+
+def test_rotation_is_jaxtrains(cifar_subset):
+    images = cifar_subset["x_train"][:6]
+    angles = np.array([0.0, 15.0, -30.0, 90.0, 45.0, 7.3], np.float32)
+    expected = np.asarray(augment.rotate(jnp.asarray(images), jnp.asarray(angles)))
+    got = torch_models.rotated(torch.from_numpy(images).permute(0, 3, 1, 2),
+                               torch.from_numpy(angles)).permute(0, 2, 3, 1).numpy()
+    assert np.mean(got == expected) > 0.999  # a rounding tie may fall either way
+
+
+def test_augmentations_move_pixels_like_jaxtrains(cifar_subset):
+    torch.manual_seed(0)
+    images = torch.from_numpy(cifar_subset["x_train"][:64]).permute(0, 3, 1, 2)
+    flipped = torch_models.augment_batch(images, flip=True)
+    mirrored = (flipped == images.flip(3)).flatten(1).all(1)
+    assert 16 < int(mirrored.sum()) < 48
+    assert ((flipped == images).flatten(1).all(1) | mirrored).all()
+    cut = torch_models.augment_batch(images, cutout=8)
+    zeroed = ((cut == 0) & (images != 0)).flatten(1).sum(1) / 3
+    assert zeroed.max() <= 64 and zeroed.float().mean() > 20
+    for pad_mode in ("reflect", "constant"):  # every output is one of the 25 shifts
+        out = torch_models.augment_batch(images[:4], translate=2, pad_mode=pad_mode)
+        for i in range(4):
+            shifts = [torch_models.shifted(images[i:i + 1], torch.tensor([dy]), torch.tensor([dx]),
+                                           pad_mode) for dy in range(-2, 3) for dx in range(-2, 3)]
+            assert any(torch.equal(out[i:i + 1], s) for s in shifts)
+    # the per-sample transform: ToTensor, (no augmentation), Normalize, on CHW
+    x = torch_models.article_transform(cifar_subset["x_train"][0], augment={}, mean=(0.5,),
+                                       std=(0.5,))
+    expected = np.asarray(train.normalize(jnp.asarray(cifar_subset["x_train"][0]), (0.5,), (0.5,)))
+    np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), expected, atol=1e-6)
+
+
+def test_torch_fast_trains_cifar_cnn_in_bfloat16(cifar_batches_dir):
+    config = cifar.get_config()
+    config.data.dir, config.data.source = str(cifar_batches_dir), "files"
+    config.model.widths, config.model.stem_width = (8, 16, 16), 8
+    config.train.batch_size, config.eval.batch_size = 64, 250
+    config.augment.rotate, config.augment.cutout = 10.0, 6
+    dataset = data.load("cifar10", "files", str(cifar_batches_dir))
+    mean, std = train.channel_stats(dataset, config)
+    result = compare.run_torch_fast(config, dataset, mean, std, total_steps=4)
+    assert result["precision"] == "bfloat16" and result["param_count"] == 9560
+    assert np.isfinite(result["test_loss"]) and result["steps"] == 4
+
+
+def test_unknown_framework_is_refused(cifar_batches_dir, tmp_path):
+    with pytest.raises(compare.CompareError, match="unknown framework"):
+        compare.run(seed_config(cifar_batches_dir), ["jax", "mxnet"], str(tmp_path))
