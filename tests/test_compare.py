@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # in requirements.txt: these tests must run, not skip
 
 from configs import cifar, cifar_seed_cnn, default  # noqa: E402
 from jaxtrain import augment, compare, data, models, optim, torch_models, train  # noqa: E402
