@@ -9,6 +9,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jaxtrain
+from jaxtrain.cli import parse_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
@@ -20,21 +21,6 @@ flags.DEFINE_enum("mode", "train", ["train", "eval"],
 flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step directory "
                     "(WORKDIR/checkpoints/STEP) to evaluate instead of the newest.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-def parse_flags(argv):
-    """absl flag parsing, with a one-line error naming an unknown --config key."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:  # a bad value: absl's message names the flag
-        sys.exit(f"error: {error}")
-    except (AttributeError, KeyError) as error:
-        missing = str(error).strip("\"'")
-        overrides = [arg.split("=")[0] for arg in argv if arg.startswith("--config.")]
-        named = [arg for arg in overrides if missing in arg[len("--config."):].split(".")]
-        flag = named[0] if named else f"--config.{missing}"
-        sys.exit(f"error: unknown config key in {flag}: there is no {missing!r} there "
-                 "(configs/default.py lists every key)")
 
 
 def main(argv):

@@ -50,14 +50,6 @@ def import_torch():
     return torch
 
 
-def flax_param_count(config, dataset) -> int:
-    model = models.create_model(config.model, dataset.num_classes,
-                                train.PRECISIONS[config.train.precision])
-    shapes = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
-                            jnp.zeros((1, *dataset.image_shape), jnp.float32))
-    return models.count_params(shapes["params"])
-
-
 def learning_rates(opt, total_steps: int) -> list[float]:
     """The learning rate of every step, from jaxtrain's own schedule."""
     schedule = optim.create_schedule(opt, total_steps)
@@ -413,18 +405,11 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
     if unknown or not frameworks:
         raise CompareError(f"unknown framework(s) {', '.join(unknown) or '(none given)'}; "
                            f"choose from: {', '.join(FRAMEWORKS)}")
-    train.check_config(config)
     if any(f != "jax" for f in frameworks):
         import_torch()  # fail before any training when torch is missing
-    dataset = data.load(config.data.name, config.data.source, config.data.dir or None)
-    mean, std = train.channel_stats(dataset, config)
-    steps_per_epoch = len(dataset.x_train) // config.train.batch_size
-    if steps_per_epoch == 0:
-        raise train.ConfigError(f"config.train.batch_size={config.train.batch_size} is larger "
-                                f"than the training split ({len(dataset.x_train)} images)")
-    total_steps = (config.train.num_steps if config.train.num_steps > 0
-                   else config.train.num_epochs * steps_per_epoch)
-    param_count = flax_param_count(config, dataset)
+    setup = train.setup(config)  # checks the config, loads the data, builds the Flax model
+    dataset, mean, std, total_steps = setup.dataset, setup.mean, setup.std, setup.total_steps
+    param_count = models.count_params(setup.state.params)
     print(f"{config.model.name}: {param_count:,} parameters in jaxtrain; {total_steps} steps "
           f"of batch {config.train.batch_size} on {dataset.origin}", flush=True)
 
@@ -474,19 +459,6 @@ def define_flags():
         message="--frameworks must be a comma-separated list of: " + ", ".join(FRAMEWORKS))
 
 
-def parse_flags(argv):
-    """absl flag parsing, with a one-line error instead of a traceback."""
-    from absl import flags
-
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as error:
-        sys.exit(f"error: {error}")
-    except (AttributeError, KeyError) as error:  # an unknown --config.KEY
-        sys.exit(f"error: unknown config key {str(error).strip(chr(34) + chr(39))!r} "
-                 "(configs/default.py lists every key)")
-
-
 def main(argv):
     from absl import app, flags, logging
 
@@ -503,6 +475,8 @@ def main(argv):
 
 if __name__ == "__main__":
     from absl import app
+
+    from jaxtrain.cli import parse_flags
 
     define_flags()
     app.run(main, flags_parser=parse_flags)
