@@ -465,10 +465,14 @@ def load_tfds(name: str, data_dir: str | None = None, download: bool = True) -> 
         raise DataError(f'tfds:{name}: {type(e).__name__}: {e}') from e
 
     (x_train, y_train), (x_test, y_test) = train, test
-    for x, split in ((x_train, 'train'), (x_test, 'test')):
+    for x, y, split in ((x_train, y_train, 'train'), (x_test, y_test, 'test')):
         if np.asarray(x).dtype != np.uint8 or np.ndim(x) != 4:
             raise DataError(f'tfds:{name}: {split} images are {np.asarray(x).dtype} '
                             f'{np.shape(x)}, expected uint8 (N, H, W, C)')
+        y = np.asarray(y)
+        if y.shape != (len(x),) or (y.size and (y.min() < 0 or y.max() >= len(class_names))):
+            raise DataError(f'tfds:{name}: {split} labels do not match its {len(x)} images '
+                            f'and {len(class_names)} classes')
     return Dataset(
         x_train=np.ascontiguousarray(x_train),
         y_train=np.asarray(y_train, dtype=np.int32),

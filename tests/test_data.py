@@ -635,3 +635,9 @@ def test_tfds_errors_are_wrapped(fake_tfds):
     with pytest.raises(DataError, match=r'tfds:cifar10: ConnectionError: no route to host') as e:
         data.load_tfds('cifar10')
     assert isinstance(e.value.__cause__, ConnectionError)
+
+
+def test_tfds_labels_out_of_range_are_refused(fake_tfds):
+    fake_tfds.next_builder.info.features['label'].names = ['cat']  # labels 0 and 1, one class
+    with pytest.raises(DataError, match=r'tfds:cifar10: train labels do not match'):
+        data.load_tfds('cifar10', download=False)
