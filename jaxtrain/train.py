@@ -10,6 +10,7 @@ Checkpoints are saved between chunks; see jaxtrain/checkpoint.py.
 import functools
 import os
 import signal
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -365,8 +366,10 @@ class StopRequest:
     def __enter__(self):
         def handler(signum, frame):
             self.signal = signum
-        self._previous = {sig: signal.signal(sig, handler)
-                          for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # signals need the main thread
+            self._previous = {sig: signal.signal(sig, handler)
+                              for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc):
