@@ -57,13 +57,6 @@ def learning_rates(opt, total_steps: int) -> list[float]:
     return [float(rate) for rate in rates]
 
 
-def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epochs: int):
-    """jaxtrain's schedule: after the last step and every `every_epochs` epochs."""
-    epoch_done = step % steps_per_epoch == 0
-    return step == total_steps or (epoch_done and every_epochs > 0
-                                   and (step // steps_per_epoch) % every_epochs == 0)
-
-
 # ---------------------------------------------------------------- PyTorch recipe
 
 def create_torch_optimizer(opt, model):
@@ -181,7 +174,7 @@ class Progress:
     def after_step(self, step: int, train_loss) -> bool:
         """Evaluates when jaxtrain would; says whether it did (train_loss() is the mean
         since the last evaluation)."""
-        if not evaluates_after(step, self.steps_per_epoch, self.total_steps,
+        if not train.evaluates_after(step, self.steps_per_epoch, self.total_steps,
                                self.config.eval.every_epochs):
             return False
         start = self.seconds()

@@ -347,6 +347,13 @@ def checkpoint_meta(run: Setup, config, state, train_seconds: float, eval_second
             "image_shape": list(run.dataset.image_shape)}
 
 
+def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epochs: int):
+    """Evaluation schedule: after the last step and every `every_epochs` epochs."""
+    epoch_done = step % steps_per_epoch == 0
+    return step == total_steps or (epoch_done and every_epochs > 0
+                                   and (step // steps_per_epoch) % every_epochs == 0)
+
+
 def save_interval(config, steps_per_epoch: int) -> int:
     """checkpoint.every_steps, else checkpoint.every_epochs in steps; 0 = only at the end."""
     if config.checkpoint.every_steps > 0:
@@ -457,9 +464,9 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                 if metrics["nonfinite_steps"]:
                     record["skipped_steps"] = int(metrics["nonfinite_steps"])
                 epoch_done = step % run.steps_per_epoch == 0
-                every = config.eval.every_epochs
                 last = step == run.total_steps
-                if last or (epoch_done and every > 0 and (step // run.steps_per_epoch) % every == 0):
+                if evaluates_after(step, run.steps_per_epoch, run.total_steps,
+                                   config.eval.every_epochs):
                     test_metrics, seconds = timed(eval_fn, state, *eval_arrays)
                     test_metrics = {k: float(v) for k, v in jax.device_get(test_metrics).items()}
                     eval_seconds += seconds
