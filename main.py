@@ -20,6 +20,12 @@ flags.DEFINE_enum("mode", "train", ["train", "eval"],
                   "train (or resume), or eval: evaluate the newest checkpoint on the test split.")
 flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step directory "
                     "(WORKDIR/checkpoints/STEP) to evaluate instead of the newest.")
+flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of process 0 "
+                    "(default $JAX_COORDINATOR_ADDRESS; auto-detected under SLURM/Open MPI).")
+flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes "
+                     "(default $JAX_NUM_PROCESSES; auto-detected under SLURM/Open MPI).")
+flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index, 0 first "
+                     "(default $JAX_PROCESS_ID; auto-detected under SLURM/Open MPI).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -28,6 +34,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
+        jaxtrain.parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                                     FLAGS.process_id)
         if FLAGS.mode == "eval":
             jaxtrain.evaluate_checkpoint(FLAGS.config, FLAGS.workdir, FLAGS.checkpoint)
         else:
@@ -36,7 +44,7 @@ def main(argv):
         print(f"stopped: {error}", file=sys.stderr)
         sys.exit(128 + error.signum)  # the shell's convention for "killed by signal N"
     except (jaxtrain.DataError, jaxtrain.ConfigError, jaxtrain.TrainingError,
-            jaxtrain.CheckpointError) as error:
+            jaxtrain.CheckpointError, jaxtrain.DistributedError) as error:
         sys.exit(f"error: {error}")
 
 

@@ -41,20 +41,28 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 class Reporter:
-    """Writes every logged record to metrics.jsonl and TensorBoard as it arrives."""
+    """Writes every logged record to metrics.jsonl and TensorBoard as it arrives.
 
-    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, stream=None):
+    With write=False (every process of a multi-process run but the first) it
+    only keeps the records: nothing is printed or written.
+    """
+
+    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, stream=None,
+                 write: bool = True):
         """start_step > 0 continues a resumed run: records up to it are kept, later ones
         (written after the checkpoint the run resumed from) are dropped."""
         import tensorboardX  # deferred: only runs that report need it
 
-        os.makedirs(workdir, exist_ok=True)
         self.workdir = workdir
+        self.write = write
         self.stream = stream or sys.stdout
         path = os.path.join(workdir, METRICS_FILE)
         self.records: list[dict] = []
+        if not write:
+            return
         if start_step > 0 and os.path.exists(path):
             self.records = [r for r in read_metrics(workdir) if r["step"] <= start_step]
+        os.makedirs(workdir, exist_ok=True)
         self._metrics = open(path, "w")
         for record in self.records:
             self._metrics.write(json.dumps(record) + "\n")
@@ -64,7 +72,8 @@ class Reporter:
                                    disable=None, leave=False, dynamic_ncols=True)
 
     def print_line(self, line: str) -> None:
-        tqdm.tqdm.write(line, file=self.stream)
+        if self.write:
+            tqdm.tqdm.write(line, file=self.stream)
 
     def print_header(self, **info) -> None:
         self.print_line("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
@@ -77,6 +86,8 @@ class Reporter:
 
     def log(self, record: dict) -> None:
         self.records.append(record)
+        if not self.write:
+            return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         for key, value in record.items():
@@ -86,6 +97,8 @@ class Reporter:
         self._progress.update(record["step"] - self._progress.n)
 
     def close(self) -> None:
+        if not self.write:
+            return
         self._progress.close()
         self._tensorboard.close()
         self._metrics.close()
@@ -114,6 +127,8 @@ class Reporter:
         return path
 
     def write_summary(self, summary: dict) -> None:
+        if not self.write:
+            return
         write_json_atomically(os.path.join(self.workdir, SUMMARY_FILE), summary)
         self.print_line(f"test_accuracy={summary['test_accuracy']:.2%}  "
                     f"test_loss={summary['test_loss']:.4f}  "

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxtrain import augment, checkpoint, data, models, optim, report
+from jaxtrain import augment, checkpoint, data, models, optim, parallel, report
 
 CONFIG_FILE = "config.json"
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -94,11 +94,13 @@ def normalize(images, mean, std):
     return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
-def create_train_state(key, model, tx, image_shape) -> TrainState:
-    variables = jax.jit(functools.partial(model.init, train=False))(
-        key, jnp.zeros((1, *image_shape), jnp.float32))
-    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                             batch_stats=variables.get("batch_stats", {}))
+def create_train_state(key, model, tx, image_shape, sharding=None) -> TrainState:
+    """Initial parameters and optimiser state, placed by `sharding` (e.g. replicated)."""
+    def init(key):
+        variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
+        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 batch_stats=variables.get("batch_stats", {}))
+    return jax.jit(init, out_shardings=sharding)(key)
 
 
 def train_step(state, images, labels, key, *, mean, std, augment_kwargs, num_classes,
@@ -137,9 +139,15 @@ def epoch_order(key, epoch, num_examples: int):
 
 
 def train_step_at(state, step, x_train, y_train, order, augment_key, *, batch_size,
-                  **step_kwargs):
-    """Step `step` of an epoch: gathers its batch from the device-resident data."""
+                  batch_sharding=None, **step_kwargs):
+    """Step `step` of an epoch: gathers its batch from the device-resident data.
+
+    With `batch_sharding`, each device gathers only its slice of the batch from
+    its replica of the data, and XLA partitions the step over the batch.
+    """
     indices = jax.lax.dynamic_slice_in_dim(order, step * batch_size, batch_size)
+    if batch_sharding is not None:
+        indices = jax.lax.with_sharding_constraint(indices, batch_sharding)
     return train_step(state, x_train[indices], y_train[indices],
                       jax.random.fold_in(augment_key, step), **step_kwargs)
 
@@ -191,9 +199,13 @@ def evaluate(state, x_batches, y_batches, valid_batches, **predict_kwargs):
 
 # ---------------------------------------------------------------- host side
 
-def batch_for_eval(images: np.ndarray, labels: np.ndarray, batch_size: int):
-    """Pads the test split to whole batches: (B, batch, ...) arrays and a validity mask."""
-    batch_size = min(batch_size, len(images))
+def batch_for_eval(images: np.ndarray, labels: np.ndarray, batch_size: int, multiple_of: int = 1):
+    """Pads the test split to whole batches: (B, batch, ...) arrays and a validity mask.
+
+    The batch is rounded up to a multiple of `multiple_of` (the device count) so
+    that it splits evenly over the devices.
+    """
+    batch_size = -(-min(batch_size, len(images)) // multiple_of) * multiple_of
     num_batches = -(-len(images) // batch_size)
     pad = num_batches * batch_size - len(images)
     valid = np.concatenate([np.ones(len(images), np.float32), np.zeros(pad, np.float32)])
@@ -252,19 +264,21 @@ def resolve_loop(loop: str, convolutional: bool) -> str:
     return loop
 
 
-def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_kwargs):
+def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_kwargs,
+                   out_sharding=None):
     """Ahead-of-time compiles the training steps; returns
     run_chunk(state, order, augment_key, first_step, num_steps, should_stop) -> (state, summary).
 
     The Python loop can stop after any step when should_stop() says so; a
-    scanned chunk always runs to its end.
+    scanned chunk always runs to its end. `out_sharding` places the new state
+    and the metrics (replicated, for data parallelism).
     """
     order, augment_key = order_and_key
     if loop == "scan":
         chunk_fns = {}
         for length in sorted(lengths):
             fn = jax.jit(functools.partial(train_chunk, num_steps=length, **step_kwargs),
-                         donate_argnums=0)
+                         donate_argnums=0, out_shardings=out_sharding)
             chunk_fns[length] = fn.lower(state, x_train, y_train, order, augment_key,
                                          np.int32(0)).compile()
 
@@ -273,16 +287,17 @@ def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_k
                                         np.int32(first_step))
         return run_chunk
 
-    step_fn = jax.jit(functools.partial(train_step_at, **step_kwargs), donate_argnums=0)
+    step_fn = jax.jit(functools.partial(train_step_at, **step_kwargs), donate_argnums=0,
+                      out_shardings=out_sharding)
     step_fn = step_fn.lower(state, np.int32(0), x_train, y_train, order, augment_key).compile()
 
-    def run_chunk(state, order, augment_key, first_step, num_steps, should_stop=lambda: False):
+    def run_chunk(state, order, augment_key, first_step, num_steps, should_stop=None):
         metrics = []
         for step in range(first_step, first_step + num_steps):
             state, step_metrics = step_fn(state, np.int32(step), x_train, y_train, order,
                                           augment_key)
             metrics.append(step_metrics)
-            if should_stop():
+            if should_stop is not None and should_stop():
                 break
         stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
         steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
@@ -299,6 +314,7 @@ def timed(fn, *args):
 
 class Setup(NamedTuple):
     """Everything a run derives from its config before the first step."""
+    mesh: Any
     dataset: data.Dataset
     mean: tuple
     std: tuple
@@ -309,9 +325,23 @@ class Setup(NamedTuple):
     total_steps: int
 
 
-def setup(config) -> Setup:
-    """Data, model, optimiser and the initial state (shared by training and evaluation)."""
+def check_batch_split(batch_size: int, mesh) -> None:
+    """The global batch must split evenly over the devices; says which sizes would."""
+    devices = mesh.size
+    if batch_size % devices:
+        lower, upper = batch_size // devices * devices, -(-batch_size // devices) * devices
+        options = " or ".join(str(size) for size in (lower, upper) if size > 0)
+        raise ConfigError(f"config.train.batch_size={batch_size} does not split evenly over "
+                          f"{devices} devices: use a multiple of {devices} (e.g. {options})")
+
+
+def setup(config, mesh=None) -> Setup:
+    """Data, model, optimiser and the initial state (shared by training and evaluation).
+
+    The state is replicated over `mesh` (default: all devices), the data-parallel layout.
+    """
     check_config(config)
+    mesh = parallel.create_mesh() if mesh is None else mesh
     dataset = data.load(config.data.name, config.data.source, config.data.dir or None)
     mean, std = channel_stats(dataset, config)
     batch_size = config.train.batch_size
@@ -325,14 +355,25 @@ def setup(config) -> Setup:
                                 PRECISIONS[config.train.precision])
     schedule = optim.create_schedule(config.optimizer, total_steps)
     tx = optim.create_optimizer(config.optimizer, schedule)
-    init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    state = create_train_state(init_key, model, tx, dataset.image_shape)
-    return Setup(dataset, mean, std, schedule, state, data_key, steps_per_epoch, total_steps)
+    replicated = parallel.replicated(mesh)
+    init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
+                                 out_shardings=replicated)()
+    state = create_train_state(init_key, model, tx, dataset.image_shape, replicated)
+    return Setup(mesh, dataset, mean, std, schedule, state, data_key, steps_per_epoch,
+                 total_steps)
+
+
+def put_eval_data(run: Setup, config):
+    """The test split as padded batches on the devices, each batch split over them."""
+    arrays = batch_for_eval(run.dataset.x_test, run.dataset.y_test, config.eval.batch_size,
+                            run.mesh.size)
+    return tuple(parallel.put(a, parallel.batch_sharded(run.mesh, batch_axis=1)) for a in arrays)
 
 
 def compile_eval(config, run: Setup, state, eval_arrays):
     fn = jax.jit(functools.partial(evaluate, mean=run.mean, std=run.std, tta=config.eval.tta,
-                                   pad_mode=config.augment.pad_mode))
+                                   pad_mode=config.augment.pad_mode),
+                 out_shardings=parallel.replicated(run.mesh))
     return fn.lower(state, *eval_arrays).compile()
 
 
@@ -388,10 +429,15 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
     """Trains and evaluates the model the config describes; writes reports to workdir.
 
     Resumes from the newest checkpoint in workdir/checkpoints when there is one.
-    Returns the summary (also written to workdir/summary.json).
+    Returns the summary (also written to workdir/summary.json). In a multi-process
+    run every process calls this; process 0 alone prints and writes the reports.
     """
     start_time = time.time() if start_time is None else start_time
-    run = setup(config)
+    check_config(config)
+    mesh = parallel.create_mesh()
+    check_batch_split(config.train.batch_size, mesh)
+    run = setup(config, mesh)
+    main_process = parallel.is_main_process()
     state, data_key = run.state, run.data_key
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep)
     restored = checkpoint.restore(manager, state, data_key)
@@ -400,13 +446,15 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
         state, data_key, meta = restored
         train_seconds, eval_seconds = meta["train_seconds"], meta["eval_seconds"]
     start_step = int(state.step)
-    report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
+    if main_process:
+        report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
 
-    x_train = jax.device_put(run.dataset.x_train)
-    y_train = jax.device_put(run.dataset.y_train)
-    eval_arrays = jax.device_put(batch_for_eval(run.dataset.x_test, run.dataset.y_test,
-                                                config.eval.batch_size))
-    step_kwargs = dict(batch_size=config.train.batch_size, mean=run.mean, std=run.std,
+    replicated = parallel.replicated(run.mesh)
+    x_train = parallel.put(run.dataset.x_train, replicated)
+    y_train = parallel.put(run.dataset.y_train, replicated)
+    eval_arrays = put_eval_data(run, config)
+    step_kwargs = dict(batch_size=config.train.batch_size,
+                       batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
                        augment_kwargs=config.augment.to_dict(),
                        num_classes=run.dataset.num_classes,
                        label_smoothing=config.train.label_smoothing,
@@ -416,17 +464,20 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                        every_save, start_step)
 
     compile_start = time.perf_counter()
-    order_fn = jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)))
+    order_fn = jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)),
+                       out_shardings=replicated)
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
     loop = resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
     run_chunk = compile_chunks(loop, state, x_train, y_train, order_fn(data_key, np.int32(0)),
-                               {length for _, _, length in plan}, step_kwargs)
+                               {length for _, _, length in plan}, step_kwargs, replicated)
     eval_fn = compile_eval(config, run, state, eval_arrays)
     compile_seconds = time.perf_counter() - compile_start
 
-    reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step)
+    reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
+                               write=main_process)
     reporter.print_header(model=config.model.name, params=models.count_params(state.params),
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
+                          devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
     if restored is not None:
         reporter.print_line(f"resumed from checkpoint step {start_step} "
@@ -435,6 +486,8 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
     test_metrics = order = None
     record = reporter.records[-1] if reporter.records else {}
+    # One process alone may not stop mid-chunk: the others would wait for it forever.
+    single_process = jax.process_count() == 1
     try:
         with StopRequest() as stop:
             for epoch, first_step, length in plan:
@@ -442,7 +495,8 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                     (order, augment_key), seconds = timed(order_fn, data_key, np.int32(epoch))
                     train_seconds += seconds
                 (state, metrics), seconds = timed(run_chunk, state, order, augment_key,
-                                                  first_step, length, stop)
+                                                  first_step, length,
+                                                  stop if single_process else None)
                 train_seconds += seconds
                 metrics = jax.device_get(metrics)
                 if metrics["nonfinite_step"] >= 0 and config.train.nonfinite == "stop":
@@ -480,12 +534,13 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                         record, train_loss=epoch_sums["loss"] / max(epoch_sums["steps"], 1),
                         train_accuracy=epoch_sums["accuracy"] / max(epoch_sums["steps"], 1)))
                     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-                if last or stop() or (every_save > 0 and step % every_save == 0):
+                stopping = parallel.any_process(stop())
+                if last or stopping or (every_save > 0 and step % every_save == 0):
                     checkpoint.save(manager, state, data_key, checkpoint_meta(
                         run, config, state, train_seconds, eval_seconds))
-                if stop():
+                if stopping:
                     checkpoint.wait(manager)
-                    raise Interrupted(stop.signal, step, manager.directory)
+                    raise Interrupted(stop.signal or signal.SIGTERM, step, manager.directory)
         checkpoint.wait(manager)
     finally:
         reporter.close()
@@ -493,7 +548,8 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
 
     if test_metrics is None:  # resumed from a checkpoint of the finished run
         test_metrics = {k: float(v) for k, v in jax.device_get(eval_fn(state, *eval_arrays)).items()}
-    reporter.plot()
+    if main_process:
+        reporter.plot()
     summary = {
         "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"],
@@ -511,6 +567,7 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
         "param_count": models.count_params(state.params),
         "device_kind": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
         "jax_version": jax.__version__,
         "flax_version": flax.__version__,
         "dataset": run.dataset.origin,
@@ -543,11 +600,12 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     if restored is None:
         raise checkpoint.CheckpointError(f"no checkpoint in {directory}")
     state = restored[0]
-    eval_arrays = jax.device_put(batch_for_eval(run.dataset.x_test, run.dataset.y_test,
-                                                config.eval.batch_size))
+    eval_arrays = put_eval_data(run, config)
     metrics = jax.device_get(compile_eval(config, run, state, eval_arrays)(state, *eval_arrays))
     result = {"step": int(state.step), "test_accuracy": float(metrics["accuracy"]),
-              "test_loss": float(metrics["loss"])}
-    print(f"checkpoint step {result['step']}: test_accuracy={result['test_accuracy']:.2%}  "
-          f"test_loss={result['test_loss']:.4f}")
+              "test_loss": float(metrics["loss"]), "device_count": jax.device_count()}
+    if parallel.is_main_process():
+        print(f"checkpoint step {result['step']}: test_accuracy={result['test_accuracy']:.2%}  "
+              f"test_loss={result['test_loss']:.4f}  (on {jax.device_count()} device"
+              f"{'s' if jax.device_count() > 1 else ''})")
     return result

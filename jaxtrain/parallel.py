@@ -1,0 +1,166 @@
+"""Data parallelism: one mesh over every device of every process, one code path for all.
+
+The global batch is split over the mesh's "data" axis; parameters, BatchNorm
+statistics and optimiser state are replicated. Nothing else changes: the train
+step is the single-device function, jitted with these shardings, and XLA's SPMD
+partitioner inserts the collectives (an all-reduce of the gradients, and of the
+BatchNorm batch moments, which are therefore taken over the global batch).
+
+The device-resident training set is replicated, not sharded: every device holds
+all of it (150 MB for CIFAR-10, against 141 GB on an H200), so each step's
+batch is a local gather of that device's slice of the global permutation, with
+no cross-device traffic for data, and the example order is exactly the
+single-device order for any device count.
+
+Multi-process runs (several machines, or several processes on one) call
+`initialize` first; every process then loads the same files, builds the same
+global mesh and feeds its own devices.
+"""
+import math
+import os
+import re
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DATA_AXIS = "data"
+
+
+class DistributedError(RuntimeError):
+    """The multi-process settings are incomplete or contradictory; the message names them."""
+
+
+def create_mesh(devices=None) -> Mesh:
+    """A 1-D mesh over `devices` (default: every device of every process)."""
+    devices = jax.devices() if devices is None else devices
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
+    """Splits axis `batch_axis` over the mesh; the other axes are whole on each device."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), DATA_AXIS))
+
+
+def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds in full; each process
+    copies only the pieces its own devices need (no cross-process check or transfer)."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def round_up(size: int, mesh: Mesh) -> int:
+    """The smallest multiple of the mesh's device count that is at least `size`."""
+    return -(-size // mesh.size) * mesh.size
+
+
+def is_main_process() -> bool:
+    """Process 0 writes the logs, metrics and summary; checkpoints are written by all."""
+    return jax.process_index() == 0
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (e.g. one got SIGTERM), so all
+    processes stop at the same step. A no-op with one process."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    flags = multihost_utils.process_allgather(np.asarray(flag, np.int32))
+    return bool(np.any(flags))
+
+
+# ---------------------------------------------------------------- jax.distributed
+
+# Environments where a scheduler starts one process per task and JAX's cluster
+# auto-detection fills in the coordinator, process count and process id.
+CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def distributed_settings(coordinator_address=None, num_processes=None, process_id=None,
+                         environ=None):
+    """The jax.distributed.initialize arguments for this process, or None for a
+    single-process run.
+
+    Flags win over the environment: JAX_COORDINATOR_ADDRESS (read by JAX itself),
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID. Values still unset are left to JAX's
+    auto-detection under SLURM or Open MPI when those report more than one task.
+    """
+    environ = os.environ if environ is None else environ
+
+    def from_env(value, name, kind):
+        if value is not None or name not in environ:
+            return value
+        try:
+            return kind(environ[name])
+        except ValueError:
+            raise DistributedError(f"${name}={environ[name]!r} is not a valid "
+                                   f"{kind.__name__}") from None
+
+    coordinator_address = from_env(coordinator_address, "JAX_COORDINATOR_ADDRESS", str)
+    num_processes = from_env(num_processes, "JAX_NUM_PROCESSES", int)
+    process_id = from_env(process_id, "JAX_PROCESS_ID", int)
+    cluster = any(int(environ.get(name, "1") or 1) > 1 for name in CLUSTER_SIZE_VARIABLES)
+    explicit = (coordinator_address, num_processes, process_id)
+    if all(value is None for value in explicit):
+        return {} if cluster else None
+    if num_processes == 1:
+        return None
+    if not cluster and None in explicit:
+        missing = [name for name, value in zip(
+            ("--coordinator_address", "--num_processes", "--process_id"), explicit)
+            if value is None]
+        raise DistributedError(
+            "a multi-process run outside SLURM/Open MPI needs all of --coordinator_address, "
+            f"--num_processes and --process_id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+            f"JAX_PROCESS_ID); missing: {', '.join(missing)}")
+    if num_processes is not None and num_processes < 1:
+        raise DistributedError(f"--num_processes={num_processes}: must be >= 1")
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+        raise DistributedError(f"--process_id={process_id}: must be in [0, {num_processes})")
+    return {"coordinator_address": coordinator_address, "num_processes": num_processes,
+            "process_id": process_id}
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None) -> bool:
+    """Joins the multi-process run the flags/environment describe; False for a single process.
+
+    Must run before anything else touches JAX's devices.
+    """
+    settings = distributed_settings(coordinator_address, num_processes, process_id)
+    if settings is None:
+        return False
+    try:
+        jax.distributed.initialize(**settings)
+    except (RuntimeError, ValueError) as error:
+        raise DistributedError(f"jax.distributed.initialize({settings}) failed: {error}") from error
+    return True
+
+
+# ---------------------------------------------------------------- what crosses devices
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_INSTRUCTION = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def collective_traffic(hlo_text: str) -> dict:
+    """{collective: (ops, bytes)} summed over a compiled program's HLO text: what one
+    call sends between devices (result sizes, per device), as XLA partitioned it."""
+    traffic = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.search(line)
+        if not match:
+            continue
+        size = 0
+        for dtype, dims in _SHAPE.findall(match.group(1)):
+            size += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        ops, total = traffic.get(match.group(2), (0, 0))
+        traffic[match.group(2)] = (ops + 1, total + size)
+    return traffic

@@ -1,0 +1,298 @@
+"""Data parallelism on the CPU: 8 host devices stand in for 8 GPUs, and two local
+processes with 4 devices each (gloo collectives) for two machines.
+
+Each run is `python main.py` in a subprocess, because the device count is fixed
+when JAX starts. The recipe has BatchNorm (so the batch statistics must be taken
+over the global batch to match) and random flips and translations.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxtrain
+from jaxtrain import parallel, report, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+# float32 throughout; runs differ only in the order of floating-point reductions.
+# Such differences stay near 1e-7 unless a ReLU input lands within them of zero:
+# then one example's gradient flips on or off and the runs part by ~1e-4 (seen
+# with an MLP of widths (128, 64) at step 4). The recipes below are fixed and
+# do not meet such a point in their 10 steps.
+LOSS_RTOL = 1e-5
+PARAM_ATOL, PARAM_RTOL = 1e-5, 1e-4
+
+RECIPE = ("--config=configs/cifar_seed_cnn.py", "--config.model.batch_norm=True",
+          "--config.train.batch_size=64", "--config.optimizer.learning_rate=0.05",
+          "--config.augment.flip=True", "--config.augment.translate=2",
+          "--config.train.num_steps=10", "--config.train.log_every_steps=5")
+MLP = ("--config.model.name=mlp", "--config.model.batch_norm=True",
+       "--config.model.hidden_sizes=(64,32)")
+
+
+def devices_env(count: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+    return env
+
+
+def start_main(args, env):
+    return subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(process, timeout=300):
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_main(args, devices: int):
+    return finish(start_main(args, devices_env(devices)))
+
+
+def train_run(workdir, devices, *extra, data_dir):
+    result = run_main([*RECIPE, *extra, f"--workdir={workdir}", f"--config.data.dir={data_dir}"],
+                      devices)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, cifar_batches_dir):
+    return train_run(tmp_path_factory.mktemp("one_device"), 1, data_dir=cifar_batches_dir)
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory, cifar_batches_dir):
+    return train_run(tmp_path_factory.mktemp("eight_devices"), 8, data_dir=cifar_batches_dir)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, cifar_batches_dir):
+    """One run as two processes of 4 devices each, sharing a workdir (as on a shared
+    filesystem); returns (workdir, [result of process 0, result of process 1])."""
+    workdir = tmp_path_factory.mktemp("two_processes")
+    address = f"localhost:{free_port()}"
+    processes = [start_main([*RECIPE, f"--workdir={workdir}", f"--config.data.dir={cifar_batches_dir}",
+                             f"--coordinator_address={address}", "--num_processes=2",
+                             f"--process_id={i}"], devices_env(4)) for i in range(2)]
+    results = [finish(p) for p in processes]
+    for i, result in enumerate(results):
+        assert result.returncode == 0, f"process {i}:\n{result.stderr[-3000:]}"
+    return workdir, results
+
+
+def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batches_dir):
+    """SIGTERM to process 1 only: both save one checkpoint together and exit; a rerun resumes."""
+    address = f"localhost:{free_port()}"
+    args = [*RECIPE, "--config.train.num_steps=60", "--config.checkpoint.every_epochs=0",
+            f"--workdir={tmp_path}",
+            f"--config.data.dir={cifar_batches_dir}", f"--coordinator_address={address}",
+            "--num_processes=2"]
+    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
+    metrics = tmp_path / report.METRICS_FILE
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+        time.sleep(0.2)
+    processes[1].send_signal(signal.SIGTERM)
+    results = [finish(p) for p in processes]
+    assert [r.returncode for r in results] == [128 + signal.SIGTERM] * 2, results[0].stderr[-2000:]
+    assert "interrupted by SIGTERM" in results[0].stderr
+    steps = os.listdir(tmp_path / "checkpoints")
+    assert len(steps) == 1 and 5 <= int(steps[0]) < 60
+    assert not (tmp_path / report.SUMMARY_FILE).exists()
+
+    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
+    results = [finish(p) for p in processes]
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
+    summary = json.loads((tmp_path / report.SUMMARY_FILE).read_text())
+    assert summary["resumed_from_step"] == int(steps[0]) and summary["steps"] == 60
+
+
+def restored_variables(workdir):
+    state = jaxtrain.restore(str(workdir)).state
+    return {"params": state.params, "batch_stats": state.batch_stats}
+
+
+def assert_same_training(workdir, reference):
+    records, expected = report.read_metrics(workdir), report.read_metrics(reference)
+    assert [r["step"] for r in records] == [r["step"] for r in expected] == [5, 10]
+    np.testing.assert_allclose([r["train_loss"] for r in records],
+                               [r["train_loss"] for r in expected], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(records[-1]["test_loss"], expected[-1]["test_loss"], rtol=LOSS_RTOL)
+    got, want = restored_variables(workdir), restored_variables(reference)
+    paths = jax.tree_util.tree_leaves_with_path(want)
+    assert len(paths) > 10 and jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, expected_leaf), leaf in zip(paths, jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(expected_leaf), atol=PARAM_ATOL,
+                                   rtol=PARAM_RTOL, err_msg=jax.tree_util.keystr(path))
+
+
+def test_eight_devices_match_one_device(one_device, eight_devices):
+    summary = json.loads((eight_devices / report.SUMMARY_FILE).read_text())
+    assert summary["device_count"] == 8 and summary["process_count"] == 1
+    assert json.loads((one_device / report.SUMMARY_FILE).read_text())["device_count"] == 1
+    assert_same_training(eight_devices, one_device)
+
+
+def test_eight_devices_match_one_device_with_a_scanned_mlp(tmp_path, cifar_batches_dir):
+    """The MLP runs each chunk as one lax.scan (the GPU path), the CNN a step per call."""
+    one = train_run(tmp_path / "one", 1, *MLP, data_dir=cifar_batches_dir)
+    eight = train_run(tmp_path / "eight", 8, *MLP, data_dir=cifar_batches_dir)
+    assert_same_training(eight, one)
+
+
+def test_the_difference_is_not_hidden_by_the_tolerance(one_device, tmp_path, cifar_batches_dir):
+    """Another seed on 8 devices is far outside the tolerance: the match above means something."""
+    other = train_run(tmp_path, 8, "--config.seed=1", data_dir=cifar_batches_dir)
+    with pytest.raises(AssertionError):
+        assert_same_training(other, one_device)
+
+
+def test_two_processes_match_one_process(two_processes, one_device):
+    workdir, _ = two_processes
+    summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
+    assert (summary["device_count"], summary["process_count"]) == (8, 2)
+    assert_same_training(workdir, one_device)
+
+
+def test_only_process_zero_reports(two_processes):
+    _, (first, second) = two_processes
+    assert "test_accuracy=" in first.stdout and "train_loss" in first.stdout
+    assert "processes=2" in first.stdout
+    assert "test_accuracy=" not in second.stdout and "train_loss" not in second.stdout
+
+
+def test_a_checkpoint_from_eight_devices_evaluates_on_one(eight_devices, two_processes,
+                                                         cifar_batches_dir):
+    for workdir in (eight_devices, two_processes[0]):
+        summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
+        result = run_main([*RECIPE, f"--workdir={workdir}", f"--config.data.dir={cifar_batches_dir}",
+                           "--mode=eval"], devices=1)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"test_accuracy={summary['test_accuracy']:.2%}" in result.stdout
+        assert "on 1 device)" in result.stdout
+
+
+def test_training_resumes_on_another_device_count(one_device, tmp_path, cifar_batches_dir):
+    """Five steps on 8 devices, the other five on 1, from the checkpoint: the same run."""
+    train_run(tmp_path, 8, "--config.train.num_steps=5", data_dir=cifar_batches_dir)
+    train_run(tmp_path, 1, data_dir=cifar_batches_dir)
+    assert json.loads((tmp_path / report.SUMMARY_FILE).read_text())["resumed_from_step"] == 5
+    assert_same_training(tmp_path, one_device)
+
+
+def test_a_batch_that_does_not_split_over_the_devices_stops_with_a_message(
+        tmp_path, cifar_batches_dir):
+    result = run_main([*RECIPE, "--config.train.batch_size=100", f"--workdir={tmp_path}",
+                       f"--config.data.dir={cifar_batches_dir}"], devices=8)
+    assert result.returncode != 0
+    assert ("config.train.batch_size=100 does not split evenly over 8 devices: use a multiple "
+            "of 8 (e.g. 96 or 104)") in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / report.SUMMARY_FILE).exists()
+
+
+def test_check_batch_split_names_the_nearest_sizes():
+    mesh = parallel.create_mesh()  # this process: one device
+    train.check_batch_split(7, mesh)
+
+    class EightDevices:
+        size = 8
+    train.check_batch_split(64, EightDevices)
+    with pytest.raises(train.ConfigError, match=r"use a multiple of 8 \(e\.g\. 8\)"):
+        train.check_batch_split(3, EightDevices)
+
+
+def test_eval_batches_round_up_to_the_device_count(cifar_subset):
+    x, y = cifar_subset["x_test"], cifar_subset["y_test"]  # 500 images
+    images, labels, valid = train.batch_for_eval(x, y, 1000, multiple_of=8)
+    assert images.shape[:2] == labels.shape == valid.shape == (1, 504)
+    assert valid.sum() == 500 and (images[0, :500] == x).all()
+    images, _, valid = train.batch_for_eval(x, y, 100, multiple_of=8)
+    assert images.shape[:2] == (5, 104) and valid.sum() == 500
+
+
+# ---------------------------------------------------------------- launch settings
+
+def test_a_single_process_run_does_not_initialize():
+    assert parallel.distributed_settings(environ={}) is None
+    assert parallel.distributed_settings(environ={"SLURM_NTASKS": "1"}) is None
+    assert parallel.distributed_settings(num_processes=1, environ={}) is None
+
+
+def test_flags_and_environment_configure_the_processes():
+    assert parallel.distributed_settings("host:1234", 4, 2, environ={}) == {
+        "coordinator_address": "host:1234", "num_processes": 4, "process_id": 2}
+    environ = {"JAX_COORDINATOR_ADDRESS": "head:99", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": "1"}
+    assert parallel.distributed_settings(environ=environ) == {
+        "coordinator_address": "head:99", "num_processes": 2, "process_id": 1}
+    # a flag wins over the environment
+    assert parallel.distributed_settings(process_id=0, environ=environ)["process_id"] == 0
+
+
+def test_slurm_and_open_mpi_leave_the_rest_to_jax_auto_detection():
+    assert parallel.distributed_settings(environ={"SLURM_NTASKS": "16"}) == {}
+    assert parallel.distributed_settings(environ={"OMPI_COMM_WORLD_SIZE": "2"}) == {}
+    settings = parallel.distributed_settings("head:99", environ={"SLURM_NTASKS": "16"})
+    assert settings == {"coordinator_address": "head:99", "num_processes": None,
+                        "process_id": None}
+
+
+@pytest.mark.parametrize("kwargs,environ,message", [
+    ({"coordinator_address": "h:1"}, {}, "missing: --num_processes, --process_id"),
+    ({"num_processes": 2, "process_id": 0}, {}, "missing: --coordinator_address"),
+    ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, {},
+     r"--process_id=2: must be in \[0, 2\)"),
+    ({"coordinator_address": "h:1", "num_processes": 0, "process_id": 0}, {},
+     "--num_processes=0: must be >= 1"),
+    ({}, {"JAX_NUM_PROCESSES": "two"}, r"\$JAX_NUM_PROCESSES='two' is not a valid int"),
+])
+def test_incomplete_or_wrong_settings_are_named(kwargs, environ, message):
+    with pytest.raises(parallel.DistributedError, match=message):
+        parallel.distributed_settings(**kwargs, environ=environ)
+
+
+def test_main_reports_incomplete_settings_without_a_traceback(tmp_path):
+    result = run_main([*RECIPE, f"--workdir={tmp_path}", "--num_processes=2"], devices=1)
+    assert result.returncode != 0
+    assert "missing: --coordinator_address, --process_id" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- what crosses devices
+
+HLO = """
+  %all-reduce.1 = f32[3,3,64,256]{3,2,1,0} all-reduce(f32[3,3,64,256]{3,2,1,0} %p), to_apply=%add
+  %all-reduce-start.2 = (f32[10]{0}, bf16[4,2]{1,0}) all-reduce-start(f32[10]{0} %a, bf16[4,2]{1,0} %b)
+  %all-reduce-done.2 = (f32[10]{0}, bf16[4,2]{1,0}) all-reduce-done(%all-reduce-start.2)
+  %all-gather.3 = u8[64,32,32,3]{3,2,1,0} all-gather(u8[8,32,32,3]{3,2,1,0} %x), dimensions={0}
+  %fusion.4 = f32[10]{0} fusion(f32[10]{0} %all-reduce.1), kind=kLoop, calls=%fused
+"""
+
+
+def test_collective_traffic_counts_each_collective_once():
+    traffic = parallel.collective_traffic(HLO)
+    assert traffic == {"all-reduce": (2, 3 * 3 * 64 * 256 * 4 + 10 * 4 + 8 * 2),
+                       "all-gather": (1, 64 * 32 * 32 * 3)}
