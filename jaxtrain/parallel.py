@@ -16,9 +16,7 @@ Multi-process runs (several machines, or several processes on one) call
 `initialize` first; every process then loads the same files, builds the same
 global mesh and feeds its own devices.
 """
-import math
 import os
-import re
 
 import jax
 import numpy as np
@@ -139,28 +137,3 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
         raise DistributedError(f"jax.distributed.initialize({settings}) failed: {error}") from error
     return True
 
-
-# ---------------------------------------------------------------- what crosses devices
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_INSTRUCTION = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-
-
-def collective_traffic(hlo_text: str) -> dict:
-    """{collective: (ops, bytes)} summed over a compiled program's HLO text: what one
-    call sends between devices (result sizes, per device), as XLA partitioned it."""
-    traffic = {}
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.search(line)
-        if not match:
-            continue
-        size = 0
-        for dtype, dims in _SHAPE.findall(match.group(1)):
-            size += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-        ops, total = traffic.get(match.group(2), (0, 0))
-        traffic[match.group(2)] = (ops + 1, total + size)
-    return traffic

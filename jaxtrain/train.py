@@ -363,16 +363,36 @@ def setup(config, mesh=None) -> Setup:
                  total_steps)
 
 
-def put_eval_data(run: Setup, config):
+def put_eval_data(config, run: Setup):
     """The test split as padded batches on the devices, each batch split over them."""
     arrays = batch_for_eval(run.dataset.x_test, run.dataset.y_test, config.eval.batch_size,
                             run.mesh.size)
     return tuple(parallel.put(a, parallel.batch_sharded(run.mesh, batch_axis=1)) for a in arrays)
 
 
+def step_arguments(config, run: Setup) -> dict:
+    """The static keyword arguments of train_step_at (and train_chunk) for this run."""
+    return dict(batch_size=config.train.batch_size,
+                batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
+                augment_kwargs=config.augment.to_dict(), num_classes=run.dataset.num_classes,
+                label_smoothing=config.train.label_smoothing,
+                skip_nonfinite=config.train.nonfinite == "skip")
+
+
+def eval_arguments(config, run: Setup) -> dict:
+    """The static keyword arguments of evaluate (and predict_logits) for this run."""
+    return dict(mean=run.mean, std=run.std, tta=config.eval.tta, pad_mode=config.augment.pad_mode)
+
+
+def put_train_data(run: Setup):
+    """The training split, replicated on every device (see jaxtrain/parallel.py for why)."""
+    replicated = parallel.replicated(run.mesh)
+    return (parallel.put(run.dataset.x_train, replicated),
+            parallel.put(run.dataset.y_train, replicated))
+
+
 def compile_eval(config, run: Setup, state, eval_arrays):
-    fn = jax.jit(functools.partial(evaluate, mean=run.mean, std=run.std, tta=config.eval.tta,
-                                   pad_mode=config.augment.pad_mode),
+    fn = jax.jit(functools.partial(evaluate, **eval_arguments(config, run)),
                  out_shardings=parallel.replicated(run.mesh))
     return fn.lower(state, *eval_arrays).compile()
 
@@ -450,15 +470,9 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
         report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
 
     replicated = parallel.replicated(run.mesh)
-    x_train = parallel.put(run.dataset.x_train, replicated)
-    y_train = parallel.put(run.dataset.y_train, replicated)
-    eval_arrays = put_eval_data(run, config)
-    step_kwargs = dict(batch_size=config.train.batch_size,
-                       batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
-                       augment_kwargs=config.augment.to_dict(),
-                       num_classes=run.dataset.num_classes,
-                       label_smoothing=config.train.label_smoothing,
-                       skip_nonfinite=config.train.nonfinite == "skip")
+    x_train, y_train = put_train_data(run)
+    eval_arrays = put_eval_data(config, run)
+    step_kwargs = step_arguments(config, run)
     every_save = save_interval(config, run.steps_per_epoch)
     plan = plan_chunks(run.total_steps, run.steps_per_epoch, config.train.log_every_steps,
                        every_save, start_step)
@@ -600,7 +614,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     if restored is None:
         raise checkpoint.CheckpointError(f"no checkpoint in {directory}")
     state = restored[0]
-    eval_arrays = put_eval_data(run, config)
+    eval_arrays = put_eval_data(config, run)
     metrics = jax.device_get(compile_eval(config, run, state, eval_arrays)(state, *eval_arrays))
     result = {"step": int(state.step), "test_accuracy": float(metrics["accuracy"]),
               "test_loss": float(metrics["loss"]), "device_count": jax.device_count()}

@@ -279,20 +279,3 @@ def test_main_reports_incomplete_settings_without_a_traceback(tmp_path):
     assert result.returncode != 0
     assert "missing: --coordinator_address, --process_id" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-# ---------------------------------------------------------------- what crosses devices
-
-HLO = """
-  %all-reduce.1 = f32[3,3,64,256]{3,2,1,0} all-reduce(f32[3,3,64,256]{3,2,1,0} %p), to_apply=%add
-  %all-reduce-start.2 = (f32[10]{0}, bf16[4,2]{1,0}) all-reduce-start(f32[10]{0} %a, bf16[4,2]{1,0} %b)
-  %all-reduce-done.2 = (f32[10]{0}, bf16[4,2]{1,0}) all-reduce-done(%all-reduce-start.2)
-  %all-gather.3 = u8[64,32,32,3]{3,2,1,0} all-gather(u8[8,32,32,3]{3,2,1,0} %x), dimensions={0}
-  %fusion.4 = f32[10]{0} fusion(f32[10]{0} %all-reduce.1), kind=kLoop, calls=%fused
-"""
-
-
-def test_collective_traffic_counts_each_collective_once():
-    traffic = parallel.collective_traffic(HLO)
-    assert traffic == {"all-reduce": (2, 3 * 3 * 64 * 256 * 4 + 10 * 4 + 8 * 2),
-                       "all-gather": (1, 64 * 32 * 32 * 3)}

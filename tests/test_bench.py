@@ -1,0 +1,114 @@
+"""The speedrun benchmark and the inspection report, on small real CIFAR-10 runs."""
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from configs import cifar_seed_cnn
+from jaxtrain import bench, report
+
+REPO = Path(__file__).resolve().parents[1]
+MLP_OVERRIDES = ("--config=configs/cifar_seed_cnn.py", "--config.model.name=mlp",
+                 "--config.model.hidden_sizes=(64,32)", "--config.model.batch_norm=True",
+                 "--config.train.batch_size=64", "--config.optimizer.learning_rate=0.05",
+                 "--config.train.num_steps=70", "--config.augment.flip=True")
+
+
+def mlp_config(data_dir):
+    config = cifar_seed_cnn.get_config()
+    config.data.dir = str(data_dir)
+    config.model.name, config.model.hidden_sizes = "mlp", (64, 32)
+    config.model.batch_norm = True
+    config.train.batch_size, config.train.num_steps = 64, 70  # 2 epochs of 31 steps + 8
+    config.optimizer.learning_rate = 0.05
+    config.augment.flip = True
+    return config
+
+
+def run(module_args, env=None):
+    return subprocess.run([sys.executable, *module_args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_a_benchmark_run_is_the_run_main_py_makes(cifar_batches_dir, tmp_path):
+    """Same config and seed: the one-program run ends where `python main.py` ends."""
+    out = io.StringIO()
+    result = bench.benchmark(mlp_config(cifar_batches_dir), runs=2, warmup=0, first_seed=3,
+                             stream=out)
+    assert [r["seed"] for r in result["runs"]] == [3, 4]
+    assert result["runs"][0]["test_accuracy"] != result["runs"][1]["test_accuracy"]
+    assert all(r["seconds"] > 0 and r["nonfinite_steps"] == 0 for r in result["runs"])
+    assert "2 runs: test_accuracy" in out.getvalue()
+
+    main = run(["main.py", *MLP_OVERRIDES, f"--config.data.dir={cifar_batches_dir}",
+                "--config.seed=3", f"--workdir={tmp_path}"])
+    assert main.returncode == 0, main.stderr[-2000:]
+    summary = json.loads((tmp_path / report.SUMMARY_FILE).read_text())
+    first = result["runs"][0]
+    assert first["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=1 / 500)
+    assert first["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-4)
+    assert first["train_loss"] == pytest.approx(summary["train_loss"], rel=1e-4)
+
+
+def test_the_command_writes_json_with_every_run(cifar_batches_dir, tmp_path):
+    path = tmp_path / "bench.json"
+    result = run(["-m", "jaxtrain.bench", *MLP_OVERRIDES, f"--config.data.dir={cifar_batches_dir}",
+                  "--runs=3", "--warmup=1", f"--json={path}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("\nrun ") == 3 and "whole process" in result.stdout
+    summary = json.loads(path.read_text())
+    assert len(summary["runs"]) == 3 and summary["warmup_runs"] == 1
+    accuracies = [r["test_accuracy"] for r in summary["runs"]]
+    assert summary["accuracy_mean"] == pytest.approx(sum(accuracies) / 3)
+    assert min(accuracies) > 0.2  # well above chance after 70 steps
+    assert 0 < summary["compile_seconds"] < summary["process_seconds"] < 600
+
+
+def test_a_diverging_recipe_is_reported_not_averaged(cifar_batches_dir):
+    result = run(["-m", "jaxtrain.bench", *MLP_OVERRIDES, f"--config.data.dir={cifar_batches_dir}",
+                  "--config.optimizer.learning_rate=1e30", "--runs=2", "--warmup=0"])
+    assert result.returncode != 0
+    assert "error: seed 0:" in result.stderr and "non-finite loss" in result.stderr
+    assert "Traceback" not in result.stderr and "2 runs:" not in result.stdout
+
+
+def test_inspect_reports_kernels_flops_and_speed(cifar_batches_dir):
+    config = mlp_config(cifar_batches_dir)
+    info = bench.inspect(config, steps=3)
+    forward = 2 * (32 * 32 * 3 * 64 + 64 * 32 + 32 * 10)  # multiply-adds of the dense layers
+    # backward: weight gradients of every layer (1x forward) and input gradients of all
+    # but the first (whose input is the data): about 2.1x forward in all, plus elementwise
+    assert 2.0 * forward < info["flops_per_image"] < 2.5 * forward
+    assert info["kernels_per_step"] == sum(info["kernels"].values()) > 5
+    assert info["kernels"].get("dot", 0) + info["kernels"].get("fusion", 0) > 0
+    assert info["step_seconds"] > 0 and info["loop"] == "scan"
+    assert info["collectives_per_step"] == {}  # one device
+    out = io.StringIO()
+    bench.print_inspection(info, "configs/x.py", out)
+    assert "XLA kernels per step:" in out.getvalue() and "TFLOP/s" in out.getvalue()
+
+
+def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_dir, tmp_path):
+    path = tmp_path / "inspect.json"
+    result = run(["-m", "jaxtrain.bench", "--inspect", "--steps=1",
+                  "--config=configs/cifar_seed_cnn.py", "--config.train.batch_size=8",
+                  f"--config.data.dir={cifar_batches_dir}", f"--json={path}"],
+                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "all-reduce per step:" in result.stdout
+    info = json.loads(path.read_text())
+    assert info["devices"] == 8 and info["param_count"] == 62_006
+    gradient_bytes = 4 * info["param_count"]
+    assert gradient_bytes <= info["collectives_per_step"]["all-reduce"]["bytes"] < 1.1 * gradient_bytes
+
+
+def test_peak_table_and_process_clock():
+    assert bench.peak_tflops("NVIDIA H200") == 989.4
+    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench.peak_tflops("cpu") is None
+    assert time.time() - 3600 < bench.PROCESS_START <= time.time()
