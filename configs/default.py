@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.dropout = 0.0       # mlp: dropout after each hidden layer
     config.model.widths = (64, 256, 256)  # cifar_cnn: channels of its three conv blocks
     config.model.stem_width = 24     # cifar_cnn: channels of the 2x2 stem conv
+    config.model.stem_init = "default"  # cifar_cnn: 'default' (learned) | 'whiten' (fixed: whitens 2x2 patches)
     config.model.bn_momentum = 0.6   # cifar_cnn: running-average decay (Flax convention)
     config.model.head_scale = 1.0 / 9.0  # cifar_cnn: logits multiplier
 

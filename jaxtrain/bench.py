@@ -145,14 +145,15 @@ def print_inspection(info: dict, config_name: str, stream=sys.stdout) -> None:
 # ---------------------------------------------------------------- the speedrun
 
 def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, state_sharding,
-              steps_per_epoch, total_steps, step_kwargs, eval_kwargs):
+              stem_kernel, steps_per_epoch, total_steps, step_kwargs, eval_kwargs):
     """One run from its seed to its test metrics: the body of the benchmark's one program.
 
     Seeds derive keys exactly as train.setup does, so a run here is the run
     `python main.py` makes with the same config and seed.
     """
     init_key, data_key = jax.random.split(jax.random.key(seed))
-    state = train.create_train_state(init_key, model, tx, image_shape, state_sharding)
+    state = train.create_train_state(init_key, model, tx, image_shape, state_sharding,
+                                     stem_kernel)
     num_examples = x_train.shape[0]
 
     def epoch(state, index, num_steps):
@@ -181,11 +182,10 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.st
     x_train, y_train = train.put_train_data(run)
     eval_arrays = train.put_eval_data(config, run)
     replicated = parallel.replicated(run.mesh)
-    model = models.create_model(config.model, run.dataset.num_classes,
-                                train.PRECISIONS[config.train.precision])
     program = jax.jit(functools.partial(
-        whole_run, model=model, tx=run.state.tx, image_shape=run.dataset.image_shape,
-        state_sharding=replicated, steps_per_epoch=run.steps_per_epoch,
+        whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
+        state_sharding=replicated, stem_kernel=run.stem_kernel,
+        steps_per_epoch=run.steps_per_epoch,
         total_steps=run.total_steps, step_kwargs=train.step_arguments(config, run),
         eval_kwargs=train.eval_arguments(config, run)), out_shardings=replicated)
     start = time.perf_counter()

@@ -87,6 +87,14 @@ def torch_recipe(config, dataset, device):
 
     torch.manual_seed(config.seed)
     model = torch_models.create_model(config.model, dataset.num_classes, dataset.image_shape)
+    if config.model.name == "cifar_cnn" and config.model.stem_init == "whiten":
+        # the same fixed, whitening stem as jaxtrain's (HWIO -> OIHW), never trained
+        mean, std = train.channel_stats(dataset, config)
+        kernel = models.whitening_kernel(dataset.x_train, mean, std, config.model.stem_width)
+        stem = model[0]
+        with torch.no_grad():
+            stem.weight.copy_(torch.from_numpy(kernel.transpose(3, 2, 0, 1)))
+        stem.weight.requires_grad_(False)
     model = model.to(device)
     optimizer = create_torch_optimizer(config.optimizer, model)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)

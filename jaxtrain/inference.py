@@ -47,7 +47,8 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None) -> Cl
         meta = checkpoint.read_meta(manager, step)
         model = models.create_model(config.model, len(meta["class_names"]),
                                     train.PRECISIONS[config.train.precision])
-        tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 1))
+        tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 1),
+                                    models.frozen_params(config.model))
         state = train.create_train_state(jax.random.key(0), model, tx, tuple(meta["image_shape"]))
         state, _, meta = checkpoint.restore(manager, state, jax.random.key(0), meta["step"])
     finally:

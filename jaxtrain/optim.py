@@ -1,4 +1,5 @@
 """The `optimizer` config block -> an optax learning-rate schedule and transformation."""
+import jax
 import optax
 
 SCHEDULES = ("constant", "linear", "onecycle", "warmup_cosine")
@@ -31,13 +32,27 @@ def create_schedule(opt, total_steps: int) -> optax.Schedule:
                      + ", ".join(SCHEDULES))
 
 
-def create_optimizer(opt, schedule: optax.Schedule) -> optax.GradientTransformation:
+def create_optimizer(opt, schedule: optax.Schedule,
+                     frozen: tuple = ()) -> optax.GradientTransformation:
     """optax SGD (momentum, Nesterov), Adam or AdamW with weight decay.
 
     SGD and Adam add weight_decay * params to the gradient (coupled L2, as
     torch.optim does); AdamW decays the weights directly, scaled by the
-    learning rate (as torch.optim.AdamW does).
+    learning rate (as torch.optim.AdamW does). Parameters whose '/'-joined path
+    is in `frozen` are never updated (no step, no decay).
     """
+    tx = _optimizer(opt, schedule)
+    if not frozen:
+        return tx
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "frozen" if "/".join(k.key for k in path) in frozen else "trained",
+            params)
+    return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def _optimizer(opt, schedule):
     if opt.name == "sgd":
         momentum = opt.momentum or None
         return optax.chain(optax.add_decayed_weights(opt.weight_decay),

@@ -68,6 +68,8 @@ def check_config(config) -> None:
     need(config.checkpoint.keep > 0, "checkpoint.keep", config.checkpoint.keep, "must be > 0")
     need(config.eval.tta in ("none", "flip", "flip_translate"), "eval.tta", config.eval.tta,
          "must be 'none', 'flip' or 'flip_translate'")
+    need(config.model.stem_init in models.STEM_INITS, "model.stem_init", config.model.stem_init,
+         "must be one of " + ", ".join(models.STEM_INITS))
     need(config.augment.pad_mode in ("reflect", "constant"), "augment.pad_mode",
          config.augment.pad_mode, "must be 'reflect' or 'constant'")
     need(config.optimizer.name in optim.OPTIMIZERS, "optimizer.name", config.optimizer.name,
@@ -94,11 +96,16 @@ def normalize(images, mean, std):
     return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
-def create_train_state(key, model, tx, image_shape, sharding=None) -> TrainState:
-    """Initial parameters and optimiser state, placed by `sharding` (e.g. replicated)."""
+def create_train_state(key, model, tx, image_shape, sharding=None,
+                       stem_kernel=None) -> TrainState:
+    """Initial parameters and optimiser state, placed by `sharding` (e.g. replicated);
+    `stem_kernel` replaces the initial stem weights (a whitened stem)."""
     def init(key):
         variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
-        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+        params = variables["params"]
+        if stem_kernel is not None:
+            params = models.with_stem_kernel(params, jnp.asarray(stem_kernel))
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx,
                                  batch_stats=variables.get("batch_stats", {}))
     return jax.jit(init, out_shardings=sharding)(key)
 
@@ -316,6 +323,8 @@ class Setup(NamedTuple):
     """Everything a run derives from its config before the first step."""
     mesh: Any
     dataset: data.Dataset
+    model: Any
+    stem_kernel: Any  # None, or the whitened stem's fixed weights
     mean: tuple
     std: tuple
     schedule: Any
@@ -353,14 +362,21 @@ def setup(config, mesh=None) -> Setup:
                    else config.train.num_epochs * steps_per_epoch)
     model = models.create_model(config.model, dataset.num_classes,
                                 PRECISIONS[config.train.precision])
+    stem_kernel = None
+    if config.model.name == "cifar_cnn" and config.model.stem_init == "whiten":
+        try:
+            models.check_stem(config.model, dataset.image_shape[-1])
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        stem_kernel = models.whitening_kernel(dataset.x_train, mean, std, config.model.stem_width)
     schedule = optim.create_schedule(config.optimizer, total_steps)
-    tx = optim.create_optimizer(config.optimizer, schedule)
+    tx = optim.create_optimizer(config.optimizer, schedule, models.frozen_params(config.model))
     replicated = parallel.replicated(mesh)
     init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
                                  out_shardings=replicated)()
-    state = create_train_state(init_key, model, tx, dataset.image_shape, replicated)
-    return Setup(mesh, dataset, mean, std, schedule, state, data_key, steps_per_epoch,
-                 total_steps)
+    state = create_train_state(init_key, model, tx, dataset.image_shape, replicated, stem_kernel)
+    return Setup(mesh, dataset, model, stem_kernel, mean, std, schedule, state, data_key,
+                 steps_per_epoch, total_steps)
 
 
 def put_eval_data(config, run: Setup):

@@ -282,3 +282,18 @@ def test_torch_fast_trains_cifar_cnn_in_bfloat16(cifar_batches_dir):
 def test_unknown_framework_is_refused(cifar_batches_dir, tmp_path):
     with pytest.raises(compare.CompareError, match="unknown framework"):
         compare.run(seed_config(cifar_batches_dir), ["jax", "mxnet"], str(tmp_path))
+
+
+def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
+    config = cifar.get_config()
+    config.data.dir, config.data.source = str(cifar_batches_dir), "files"
+    config.model.stem_init, config.model.widths = "whiten", (16, 32, 64)
+    run = train.setup(config)
+    dataset = run.dataset
+    model, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"))
+    stem = model[0]
+    np.testing.assert_allclose(stem.weight.detach().numpy(),
+                               run.stem_kernel.transpose(3, 2, 0, 1), rtol=1e-6)
+    assert not stem.weight.requires_grad
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(stem.weight) not in trained and id(stem.bias) in trained

@@ -117,3 +117,28 @@ def test_every_model_takes_one_channel_28x28_images(name):
     assert logits.shape == (3, 10)
     if name == "seed_cnn":  # conv 5x5 -> 24 -> pool 12 -> conv -> 8 -> pool 4: 16*4*4 inputs
         assert variables["params"]["Dense_0"]["kernel"].shape == (256, 120)
+
+
+def test_whitening_kernel_decorrelates_real_image_patches(cifar_subset):
+    images = cifar_subset["x_train"]
+    mean, std = images.mean(axis=(0, 1, 2)) / 255, images.std(axis=(0, 1, 2)) / 255
+    kernel = models.whitening_kernel(images, mean, std, filters=24)
+    assert kernel.shape == (2, 2, 3, 24)
+    np.testing.assert_array_equal(kernel[..., 12:], -kernel[..., :12])
+    x = (images[1000:1500].astype(np.float32) / 255 - mean) / std  # images it was not fitted on
+    out = jax.lax.conv_general_dilated(jnp.asarray(x), jnp.asarray(kernel), (1, 1), "VALID",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    covariance = np.cov(np.asarray(out).reshape(-1, 24)[:, :6], rowvar=False)  # top 6
+    np.testing.assert_allclose(np.diag(covariance), 1.0, atol=0.1)
+    assert np.abs(covariance - np.diag(np.diag(covariance))).max() < 0.1
+    raw = np.cov(x[:, :2, :2].reshape(len(x), -1), rowvar=False)  # neighbouring pixels: correlated
+    assert np.abs(raw - np.diag(np.diag(raw))).max() > 0.5
+
+
+def test_only_cifar_cnn_with_a_whitened_stem_freezes_a_parameter():
+    assert models.frozen_params(model_config("cifar_cnn", stem_init="whiten")) == ("Conv_0/kernel",)
+    assert models.frozen_params(model_config("cifar_cnn")) == ()
+    assert models.frozen_params(model_config("mlp", stem_init="whiten")) == ()
+    with pytest.raises(ValueError, match="at most 24"):
+        models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=26), 3)
+    models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=8), 1)

@@ -80,3 +80,16 @@ def test_unknown_names_are_refused(key, value):
     config = opt_config(**{key: value})
     with pytest.raises(ValueError, match=f"optimizer.{key}"):
         optim.create_optimizer(config, optim.create_schedule(config, 10))
+
+
+def test_frozen_parameters_get_no_step_and_no_decay():
+    config = opt_config(learning_rate=0.1, weight_decay=0.5, momentum=0.9)
+    tx = optim.create_optimizer(config, optim.create_schedule(config, 10), frozen=("a/kernel",))
+    params = {"a": {"kernel": jnp.ones(3), "bias": jnp.ones(3)}, "b": {"kernel": jnp.ones(2)}}
+    grads = jax.tree.map(jnp.ones_like, params)
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params["a"]["kernel"], 1.0)
+    assert (params["a"]["bias"] < 1.0).all() and (params["b"]["kernel"] < 1.0).all()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import cifar, cifar_seed_cnn
+import jaxtrain
 from jaxtrain import TrainingError, data, report, train
 
 
@@ -161,8 +162,24 @@ def test_plan_chunks_never_cross_an_epoch():
     ("train__batch_size", 0, "config.train.batch_size=0"),
     ("train__batch_size", 4000, "larger than the training split"),
     ("data__mean", (0.5, 0.5), "config.data.mean=(0.5, 0.5)"),
+    ("model__stem_init", "pca", "config.model.stem_init='pca'"),
+    ("model__stem_width", 7, "config.model.stem_width=7: a whitened stem needs an even width"),
 ])
 def test_bad_config_values_name_the_key(cifar_batches_dir, tmp_path, key, value, message):
-    config = small_config(cifar_batches_dir, **{key: value})
+    config = small_config(cifar_batches_dir, **{"model__stem_init": "whiten", key: value})
     with pytest.raises(train.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_a_whitened_stem_stays_fixed_while_the_rest_trains(cifar_batches_dir, tmp_path):
+    config = small_config(cifar_batches_dir, model__stem_init="whiten", model__stem_width=8,
+                          train__num_epochs=1, eval__tta="none")
+    run = train.setup(config)
+    initial = jax.device_get(run.state.params)
+    np.testing.assert_array_equal(initial["Conv_0"]["kernel"], run.stem_kernel)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    assert summary["test_accuracy"] > 0.15
+    trained = jaxtrain.restore(str(tmp_path)).state.params  # the optimiser state restores too
+    np.testing.assert_array_equal(trained["Conv_0"]["kernel"], run.stem_kernel)
+    assert not np.allclose(trained["Conv_0"]["bias"], initial["Conv_0"]["bias"])
+    assert not np.allclose(trained["Dense_0"]["kernel"], initial["Dense_0"]["kernel"])
