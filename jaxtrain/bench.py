@@ -177,7 +177,7 @@ def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, st
 def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.stdout) -> dict:
     """`runs` timed runs with seeds first_seed, first_seed + 1, ... (default config.seed)."""
     train.check_config(config)
-    run = train.setup(config)
+    run = train.setup(config, abstract_state=True)  # each run initialises in its program
     train.check_batch_split(config.train.batch_size, run.mesh)
     x_train, y_train = train.put_train_data(run)
     eval_arrays = train.put_eval_data(config, run)
@@ -216,18 +216,22 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.st
                 f"seed {seed}: {int(result['nonfinite_steps'])} training steps had a non-finite "
                 "loss; lower optimizer.learning_rate or set train.nonfinite='skip'")
     process_seconds = time.time() - PROCESS_START
-    accuracy = np.array([r["test_accuracy"] for r in results])
-    seconds = np.array([r["seconds"] for r in results])
     summary = {
         "config": config.to_dict(), "runs": results, "warmup_runs": warmup,
-        "accuracy_mean": float(accuracy.mean()), "accuracy_std": float(accuracy.std()),
-        "seconds_mean": float(seconds.mean()), "seconds_std": float(seconds.std()),
-        "seconds_min": float(seconds.min()), "seconds_max": float(seconds.max()),
         "compile_seconds": compile_seconds, "process_seconds": process_seconds,
         "device_kind": jax.devices()[0].device_kind, "devices": run.mesh.size,
         "dataset": run.dataset.origin, "jax_version": jax.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
+    if not results:  # --runs=0: compile (and warm up) only
+        print(f"compile {compile_seconds:.2f} s  whole process {process_seconds:.1f} s",
+              file=stream, flush=True)
+        return summary
+    accuracy = np.array([r["test_accuracy"] for r in results])
+    seconds = np.array([r["seconds"] for r in results])
+    summary.update(accuracy_mean=float(accuracy.mean()), accuracy_std=float(accuracy.std()),
+                   seconds_mean=float(seconds.mean()), seconds_std=float(seconds.std()),
+                   seconds_min=float(seconds.min()), seconds_max=float(seconds.max()))
     print(f"{runs} runs: test_accuracy {summary['accuracy_mean']:.2%} +- "
           f"{summary['accuracy_std']:.2%}  seconds {summary['seconds_mean']:.3f} +- "
           f"{summary['seconds_std']:.3f} (min {summary['seconds_min']:.3f}, max "
@@ -266,7 +270,7 @@ def define_flags():
 
     config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
                                     lock_config=True)
-    flags.DEFINE_integer("runs", 10, "Timed runs, seeds --seed, --seed + 1, ...")
+    flags.DEFINE_integer("runs", 10, "Timed runs, seeds --seed, --seed + 1, ...; 0: compile only.")
     flags.DEFINE_integer("warmup", 1, "Untimed runs before the timed ones (same program).")
     flags.DEFINE_integer("seed", None, "First seed (default: config.seed).")
     flags.DEFINE_bool("inspect", False, "Report XLA kernels, FLOPs and speed of one train "

@@ -226,10 +226,15 @@ def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
     """data.mean/data.std from the config, or computed from the training split."""
     mean, std = tuple(config.data.mean), tuple(config.data.std)
     channels = dataset.image_shape[-1]
-    if not mean:
-        mean = tuple(float(m) for m in dataset.x_train.mean(axis=(0, 1, 2)) / 255.0)
-    if not std:
-        std = tuple(float(s) for s in dataset.x_train.std(axis=(0, 1, 2)) / 255.0)
+    if not mean or not std:
+        # from each channel's histogram of byte values: exact, and ~20x faster than
+        # numpy's mean and std over axes (0, 1, 2) of a uint8 array
+        pixels = dataset.x_train.reshape(-1, channels)
+        values = np.arange(256, dtype=np.float64) / 255.0
+        counts = [np.bincount(pixels[:, c], minlength=256) for c in range(channels)]
+        means = [float(values @ n / n.sum()) for n in counts]
+        stds = [float(np.sqrt(((values - m) ** 2) @ n / n.sum())) for m, n in zip(means, counts)]
+        mean, std = mean or tuple(means), std or tuple(stds)
     for key, value in (("data.mean", mean), ("data.std", std)):
         if len(value) not in (1, channels):
             raise ConfigError(f"config.{key}={value!r}: needs 1 or {channels} values "
@@ -344,10 +349,12 @@ def check_batch_split(batch_size: int, mesh) -> None:
                           f"{devices} devices: use a multiple of {devices} (e.g. {options})")
 
 
-def setup(config, mesh=None) -> Setup:
+def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation).
 
     The state is replicated over `mesh` (default: all devices), the data-parallel layout.
+    With abstract_state, the state holds only shapes and dtypes (jax.eval_shape): for
+    callers that build the state inside their own program, it saves compiling the init.
     """
     check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
@@ -374,7 +381,10 @@ def setup(config, mesh=None) -> Setup:
     replicated = parallel.replicated(mesh)
     init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
                                  out_shardings=replicated)()
-    state = create_train_state(init_key, model, tx, dataset.image_shape, replicated, stem_kernel)
+    init = functools.partial(create_train_state, model=model, tx=tx,
+                             image_shape=dataset.image_shape, sharding=replicated,
+                             stem_kernel=stem_kernel)
+    state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
     return Setup(mesh, dataset, model, stem_kernel, mean, std, schedule, state, data_key,
                  steps_per_epoch, total_steps)
 
