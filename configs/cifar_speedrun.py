@@ -4,9 +4,10 @@ For `python -m jaxtrain.bench --config=configs/cifar_speedrun.py --runs=10` on o
 GPU: the target (issue #7) is a mean of at least 90.70% on the JPEG (q75) copy in
 at most 1.0 s of training plus evaluation per run. The stem's 2x2 filters are fixed
 to whiten the training images' patches (models.whitening_kernel) instead of being
-learned, as in the public speedruns, so fewer epochs are needed than cifar.py's 16.
-The epoch count is the knob that trades accuracy for time: BENCHMARKS.md says what
-has been measured with it and what has not.
+learned, as in the public speedruns, which credit it with fewer epochs to the same
+accuracy (on a narrow copy on the CPU it bought nothing measurable: BENCHMARKS.md).
+The epoch count (10, against cifar.py's 16) is the knob that trades accuracy for
+time; it is a starting point, still to be measured on a GPU.
 """
 from configs import cifar
 
