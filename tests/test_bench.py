@@ -112,3 +112,11 @@ def test_peak_table_and_process_clock():
     assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert bench.peak_tflops("cpu") is None
     assert time.time() - 3600 < bench.PROCESS_START <= time.time()
+
+
+def test_runs_zero_compiles_only(cifar_batches_dir):
+    out = io.StringIO()
+    result = bench.benchmark(mlp_config(cifar_batches_dir), runs=0, warmup=0, stream=out)
+    assert result["runs"] == [] and "accuracy_mean" not in result
+    assert 0 < result["compile_seconds"] < result["process_seconds"]
+    assert out.getvalue().splitlines()[-1].startswith("compile ")
