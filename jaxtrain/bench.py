@@ -69,9 +69,7 @@ def inspect(config, steps: int = 10) -> dict:
     x_train, y_train = train.put_train_data(run)
     step_kwargs = train.step_arguments(config, run)
     replicated = parallel.replicated(run.mesh)
-    order_fn = jax.jit(functools.partial(train.epoch_order, num_examples=len(run.dataset.x_train)),
-                       out_shardings=replicated)
-    order, augment_key = order_fn(run.data_key, np.int32(0))
+    order, augment_key = train.epoch_order_fn(run)(run.data_key, np.int32(0))
 
     start = time.perf_counter()
     step_fn = jax.jit(functools.partial(train.train_step_at, **step_kwargs), donate_argnums=0,
@@ -176,7 +174,6 @@ def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, st
 
 def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.stdout) -> dict:
     """`runs` timed runs with seeds first_seed, first_seed + 1, ... (default config.seed)."""
-    train.check_config(config)
     run = train.setup(config, abstract_state=True)  # each run initialises in its program
     train.check_batch_split(config.train.batch_size, run.mesh)
     x_train, y_train = train.put_train_data(run)

@@ -79,21 +79,20 @@ def create_torch_optimizer(opt, model):
                      + ", ".join(optim.OPTIMIZERS))
 
 
-def torch_recipe(config, dataset, device):
-    """The twin model (seeded by config.seed), its optimiser and the loss."""
+def torch_recipe(config, dataset, device, stem_kernel=None):
+    """The twin model (seeded by config.seed), its optimiser and the loss; `stem_kernel`
+    (train.setup's, for a whitened stem) fixes the stem's weights."""
     import torch
 
     from jaxtrain import torch_models
 
     torch.manual_seed(config.seed)
     model = torch_models.create_model(config.model, dataset.num_classes, dataset.image_shape)
-    if config.model.name == "cifar_cnn" and config.model.stem_init == "whiten":
-        # the same fixed, whitening stem as jaxtrain's (HWIO -> OIHW), never trained
-        mean, std = train.channel_stats(dataset, config)
-        kernel = models.whitening_kernel(dataset.x_train, mean, std, config.model.stem_width)
+    if stem_kernel is not None:
+        # jaxtrain's fixed whitening stem (train.setup's; HWIO -> OIHW), never trained
         stem = model[0]
         with torch.no_grad():
-            stem.weight.copy_(torch.from_numpy(kernel.transpose(3, 2, 0, 1)))
+            stem.weight.copy_(torch.from_numpy(stem_kernel.transpose(3, 2, 0, 1)))
         stem.weight.requires_grad_(False)
     model = model.to(device)
     optimizer = create_torch_optimizer(config.optimizer, model)
@@ -211,7 +210,7 @@ class Progress:
                 "curve": self.curve}
 
 
-def run_torch_article(config, dataset, mean, std, total_steps: int) -> dict:
+def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=None) -> dict:
     """The seed article's way: per-sample transforms in 2 DataLoader workers
     (shuffle, drop_last: as many examples as jaxtrain sees), float32, loss.item()
     every step."""
@@ -221,7 +220,7 @@ def run_torch_article(config, dataset, mean, std, total_steps: int) -> dict:
 
     start = time.perf_counter()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    model, optimizer, criterion = torch_recipe(config, dataset, device)
+    model, optimizer, criterion = torch_recipe(config, dataset, device, stem_kernel)
     batch_size = config.train.batch_size
     transform = functools.partial(torch_models.article_transform,
                                   augment=config.augment.to_dict(), mean=mean, std=std)
@@ -259,7 +258,7 @@ def run_torch_article(config, dataset, mean, std, total_steps: int) -> dict:
 
 
 def run_torch_fast(config, dataset, mean, std, total_steps: int,
-                   torch_compile=None) -> dict:
+                   torch_compile=None, stem_kernel=None) -> dict:
     """The same recipe as fast as we can write it: uint8 data resident on the device,
     a torch.randperm order per epoch, each batch gathered and augmented there in one
     go, channels_last, bfloat16 autocast when config.train.precision says so, no host
@@ -274,7 +273,7 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     torch_compile = device.type == "cuda" if torch_compile is None else torch_compile
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    model, optimizer, criterion = torch_recipe(config, dataset, device)
+    model, optimizer, criterion = torch_recipe(config, dataset, device, stem_kernel)
     model = model.to(memory_format=torch.channels_last)
     forward = torch.compile(model) if torch_compile else model
     x_train = torch.from_numpy(dataset.x_train).to(device)  # uint8 NHWC
@@ -423,9 +422,11 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
         if framework == "jax":
             result = run_jax(config, workdir)
         elif framework == "torch_article":
-            result = run_torch_article(config, dataset, mean, std, total_steps)
+            result = run_torch_article(config, dataset, mean, std, total_steps,
+                                       setup.stem_kernel)
         else:
-            result = run_torch_fast(config, dataset, mean, std, total_steps, torch_compile)
+            result = run_torch_fast(config, dataset, mean, std, total_steps, torch_compile,
+                                    setup.stem_kernel)
         print(f"{framework}: {result['param_count']:,} parameters", flush=True)
         if result["param_count"] != param_count:
             raise CompareError(f"{framework} trained {result['param_count']:,} parameters, "

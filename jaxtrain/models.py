@@ -184,10 +184,12 @@ def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
     return kernel.reshape(2, 2, channels, filters).astype(np.float32)
 
 
+def has_whitened_stem(model_config) -> bool:
+    return model_config.name == "cifar_cnn" and model_config.stem_init == "whiten"
+
+
 def check_stem(model_config, channels: int) -> None:
     """A whitened stem needs an even width of at most two filters per patch dimension."""
-    if model_config.name != "cifar_cnn" or model_config.stem_init != "whiten":
-        return
     width, most = model_config.stem_width, 2 * 4 * channels
     if width % 2 or not 0 < width <= most:
         raise ValueError(f"config.model.stem_width={width}: a whitened stem needs an even width "
@@ -202,7 +204,7 @@ def with_stem_kernel(params, kernel):
 
 def frozen_params(model_config) -> tuple:
     """'/'-joined paths of the parameters the optimiser must leave as initialised."""
-    if model_config.name == "cifar_cnn" and model_config.stem_init == "whiten":
+    if has_whitened_stem(model_config):
         return ("/".join(STEM_KERNEL),)
     return ()
 

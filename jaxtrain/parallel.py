@@ -52,11 +52,6 @@ def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def round_up(size: int, mesh: Mesh) -> int:
-    """The smallest multiple of the mesh's device count that is at least `size`."""
-    return -(-size // mesh.size) * mesh.size
-
-
 def is_main_process() -> bool:
     """Process 0 writes the logs, metrics and summary; checkpoints are written by all."""
     return jax.process_index() == 0

@@ -370,7 +370,7 @@ def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
     model = models.create_model(config.model, dataset.num_classes,
                                 PRECISIONS[config.train.precision])
     stem_kernel = None
-    if config.model.name == "cifar_cnn" and config.model.stem_init == "whiten":
+    if models.has_whitened_stem(config.model):
         try:
             models.check_stem(config.model, dataset.image_shape[-1])
         except ValueError as error:
@@ -408,6 +408,12 @@ def step_arguments(config, run: Setup) -> dict:
 def eval_arguments(config, run: Setup) -> dict:
     """The static keyword arguments of evaluate (and predict_logits) for this run."""
     return dict(mean=run.mean, std=run.std, tta=config.eval.tta, pad_mode=config.augment.pad_mode)
+
+
+def epoch_order_fn(run: Setup):
+    """epoch_order for this run's training split, jitted, its results replicated."""
+    return jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)),
+                   out_shardings=parallel.replicated(run.mesh))
 
 
 def put_train_data(run: Setup):
@@ -504,9 +510,7 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                        every_save, start_step)
 
     compile_start = time.perf_counter()
-    order_fn = jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)),
-                       out_shardings=replicated)
-    order_fn = order_fn.lower(data_key, np.int32(0)).compile()
+    order_fn = epoch_order_fn(run).lower(data_key, np.int32(0)).compile()
     loop = resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
     run_chunk = compile_chunks(loop, state, x_train, y_train, order_fn(data_key, np.int32(0)),
                                {length for _, _, length in plan}, step_kwargs, replicated)

@@ -290,7 +290,8 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
     config.model.stem_init, config.model.widths = "whiten", (16, 32, 64)
     run = train.setup(config)
     dataset = run.dataset
-    model, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"))
+    model, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"),
+                                               run.stem_kernel)
     stem = model[0]
     np.testing.assert_allclose(stem.weight.detach().numpy(),
                                run.stem_kernel.transpose(3, 2, 0, 1), rtol=1e-6)

@@ -142,3 +142,5 @@ def test_only_cifar_cnn_with_a_whitened_stem_freezes_a_parameter():
     with pytest.raises(ValueError, match="at most 24"):
         models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=26), 3)
     models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=8), 1)
+    assert models.has_whitened_stem(model_config("cifar_cnn", stem_init="whiten"))
+    assert not models.has_whitened_stem(model_config("mlp", stem_init="whiten"))
