@@ -22,17 +22,10 @@ import optax
 from flax.training import train_state
 
 from jaxtrain import augment, checkpoint, data, models, optim, parallel, report
+from jaxtrain.errors import ConfigError, TrainingError
 
 CONFIG_FILE = "config.json"
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss); the message names the step."""
 
 
 class Interrupted(TrainingError):
