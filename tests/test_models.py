@@ -1,3 +1,6 @@
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -144,3 +147,172 @@ def test_only_cifar_cnn_with_a_whitened_stem_freezes_a_parameter():
     models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=8), 1)
     assert models.has_whitened_stem(model_config("cifar_cnn", stem_init="whiten"))
     assert not models.has_whitened_stem(model_config("mlp", stem_init="whiten"))
+
+
+def small_cifar_cnn(num_classes=10, **overrides):
+    """A cifar_cnn small enough for the CPU; 16x16 inputs leave 1x1 after three blocks."""
+    settings = dict(widths=(8, 12, 4), stem_width=6)
+    settings.update(overrides)
+    return models.create_model(model_config("cifar_cnn", **settings), num_classes, jnp.float32)
+
+
+def conv_same(x, kernel):
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("in_channels,out_channels", [(4, 8), (8, 4), (6, 6)])
+def test_dirac_init_passes_the_first_channels_through(in_channels, out_channels):
+    shape, key = (3, 3, in_channels, out_channels), jax.random.key(0)
+    kernel = models.conv_kernel_init("dirac")(key, shape)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 5, in_channels))
+    n = min(in_channels, out_channels)
+    np.testing.assert_allclose(conv_same(x, kernel)[..., :n], x[..., :n], atol=1e-6)
+    # the other filters keep the default init
+    default = models.conv_kernel_init("default")(key, shape)
+    np.testing.assert_array_equal(kernel[..., n:], default[..., n:])
+
+
+def test_dirac_init_reaches_every_block_conv_and_only_them():
+    variables = small_cifar_cnn(conv_init="dirac").init(jax.random.key(0),
+                                                        jnp.zeros((1, 16, 16, 3)))
+    default = small_cifar_cnn().init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    params, default = variables["params"], default["params"]
+    x = jax.random.normal(jax.random.key(1), (2, 4, 4, 12))
+    for block in ("ConvBlock_0", "ConvBlock_1", "ConvBlock_2"):
+        for conv in ("Conv_0", "Conv_1"):
+            kernel = params[block][conv]["kernel"]
+            _, _, in_channels, out_channels = kernel.shape
+            n = min(in_channels, out_channels)
+            out = conv_same(x[..., :in_channels], kernel)
+            np.testing.assert_allclose(out[..., :n], x[..., :n], atol=1e-6)
+            np.testing.assert_array_equal(kernel[..., n:], default[block][conv]["kernel"][..., n:])
+    # ConvBlock_1/Conv_0 maps 8 -> 12 channels: 4 filters keep the default init
+    assert params["ConvBlock_1"]["Conv_0"]["kernel"].shape == (3, 3, 8, 12)
+    # the stem and the head are not block convs
+    np.testing.assert_array_equal(params["Conv_0"]["kernel"], default["Conv_0"]["kernel"])
+    np.testing.assert_array_equal(params["Dense_0"]["kernel"], default["Dense_0"]["kernel"])
+
+
+def test_activation_names_map_to_their_functions():
+    assert models.ACTIVATIONS == ("gelu_tanh", "gelu", "silu", "relu")
+    z = jnp.linspace(-4.0, 4.0, 81)
+    erf = jax.scipy.special.erf
+    expected = {
+        "gelu_tanh": 0.5 * z * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3))),
+        "gelu": 0.5 * z * (1 + erf(z / np.sqrt(2))),
+        "silu": z / (1 + jnp.exp(-z)),
+        "relu": jnp.maximum(z, 0.0),
+    }
+    for name in models.ACTIVATIONS:
+        np.testing.assert_allclose(models.activation_fn(name)(z), expected[name], atol=1e-6,
+                                   err_msg=name)
+    # the two GELUs really differ (by up to ~5e-4)
+    assert np.abs(expected["gelu"] - expected["gelu_tanh"]).max() > 1e-4
+
+
+def test_cifar_cnn_activation_option_changes_the_network():
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    variables = small_cifar_cnn().init(jax.random.key(0), x)  # the same params for every name
+    logits = {name: small_cifar_cnn(activation=name).apply(variables, x)
+              for name in models.ACTIVATIONS}
+    for i, a in enumerate(models.ACTIVATIONS):
+        for b in models.ACTIVATIONS[i + 1:]:
+            assert not np.allclose(logits[a], logits[b]), (a, b)
+    assert small_cifar_cnn().activation == "gelu_tanh"  # the default is the old behaviour
+
+
+def test_unknown_activation_or_conv_init_names_the_key_and_the_choices():
+    with pytest.raises(ValueError, match=r"model.activation 'tanh'.*gelu_tanh, gelu, silu, relu"):
+        small_cifar_cnn(activation="tanh")
+    with pytest.raises(ValueError, match=r"model.conv_init 'orthogonal'.*default, dirac"):
+        small_cifar_cnn(conv_init="orthogonal")
+    assert models.CONV_INITS == ("default", "dirac")
+
+
+def test_configs_saved_before_the_options_restore_with_the_old_behaviour():
+    config = model_config("cifar_cnn").to_dict()
+    for key in ("activation", "conv_init", "bn_epsilon", "head_init_std"):
+        del config[key]
+    model = models.create_model(ml_collections.ConfigDict(config), 10, jnp.float32)
+    assert (model.activation, model.conv_init, model.bn_epsilon, model.head_init_std) \
+        == ("gelu_tanh", "default", 1e-5, 0.0)
+
+
+def test_bn_epsilon_reaches_every_batch_norm():
+    model = small_cifar_cnn(bn_epsilon=1e-3)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    variables = model.init(jax.random.key(0), x)
+    epsilons = []
+
+    def record(next_fun, args, kwargs, context):
+        if isinstance(context.module, nn.BatchNorm):
+            epsilons.append(context.module.epsilon)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        model.apply(variables, x)
+    assert epsilons == [1e-3] * 6  # two per block
+    # and it is used: a huge epsilon shrinks the normalised activations
+    big = small_cifar_cnn(bn_epsilon=1e3).apply(variables, x, train=True,
+                                                mutable=["batch_stats"])[0]
+    assert not np.allclose(big, model.apply(variables, x, train=True,
+                                            mutable=["batch_stats"])[0])
+
+
+def test_head_init_std():
+    def head(**overrides):
+        model = small_cifar_cnn(num_classes=1000, **overrides)  # many weights: a good std
+        variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+        return np.asarray(variables["params"]["Dense_0"]["kernel"])
+
+    kernel = head(head_init_std=1.0)
+    assert kernel.shape == (4, 1000)
+    assert abs(kernel.std() - 1.0) < 0.05 and abs(kernel.mean()) < 0.05
+    # 0 keeps Flax's default (LeCun normal: std 1/sqrt(fan_in) = 1/2)
+    assert abs(head().std() - 0.5) < 0.03
+    with pytest.raises(ValueError, match="model.head_init_std"):
+        head(head_init_std=-1.0)
+
+
+def cifar_stats(images):
+    mean = tuple(float(m) for m in images.mean(axis=(0, 1, 2)) / 255)
+    std = tuple(float(s) for s in images.std(axis=(0, 1, 2)) / 255)
+    return mean, std
+
+
+def test_whitening_kernel_is_the_same_eager_and_jitted(cifar_subset):
+    images = cifar_subset["x_train"]
+    mean, std = cifar_stats(images)
+    eager = models.whitening_kernel(images[:500], mean, std, filters=24)
+    jitted = jax.jit(functools.partial(models.whitening_kernel, mean=mean, std=std, filters=24,
+                                       max_images=500))
+    # a device array in, only the first max_images used
+    np.testing.assert_allclose(jitted(jnp.asarray(images)), eager, rtol=1e-5, atol=1e-5)
+    assert eager.dtype == jnp.float32 and eager.shape == (2, 2, 3, 24)
+
+
+def test_whitening_kernel_whitens_the_patches_it_was_fitted_on(cifar_subset):
+    images = cifar_subset["x_train"][:500]
+    mean, std = cifar_stats(images)
+    eps = 5e-4
+    kernel = np.asarray(models.whitening_kernel(images, mean, std, filters=24, eps=eps))
+    x = (images.astype(np.float64) / 255 - np.array(mean)) / np.array(std)
+    windows = np.lib.stride_tricks.sliding_window_view(x, (2, 2), axis=(1, 2))
+    patches = windows.transpose(0, 1, 2, 4, 5, 3).reshape(-1, 12)  # (kh, kw, c) order
+    moment = patches.T @ patches / len(patches)  # uncentred, as the speedruns
+    eigenvalues = np.linalg.eigvalsh(moment)[::-1]
+    out = patches @ kernel.reshape(12, 24)[:, :12]  # every direction, largest first
+    whitened = out.T @ out / len(out)
+    # identity, up to eps: direction i has second moment eigenvalue_i / (eigenvalue_i + eps)
+    np.testing.assert_allclose(whitened, np.diag(eigenvalues / (eigenvalues + eps)), atol=2e-3)
+    assert eigenvalues[0] / eigenvalues[-1] > 1e3  # real images: strongly correlated pixels
+
+
+def test_whitening_kernel_checks_its_arguments():
+    images = np.zeros((4, 8, 8, 3), np.uint8)
+    with pytest.raises(ValueError, match="filters=26"):
+        models.whitening_kernel(images, (0.5,) * 3, (0.25,) * 3, filters=26)
+    with pytest.raises(ValueError, match="uint8"):
+        models.whitening_kernel(images.astype(np.float32), (0.5,) * 3, (0.25,) * 3, filters=8)
