@@ -27,9 +27,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.stem_init = "default"  # cifar_cnn: 'default' (learned) | 'whiten' (fixed: whitens 2x2 patches)
     config.model.bn_momentum = 0.6   # cifar_cnn: running-average decay (Flax convention)
     config.model.head_scale = 1.0 / 9.0  # cifar_cnn: logits multiplier
+    config.model.head_init_std = 0.0  # cifar_cnn: head weights ~ N(0, this^2); 0 = Flax's default init
+    config.model.activation = "gelu_tanh"  # cifar_cnn: 'gelu_tanh' | 'gelu' (exact) | 'silu' | 'relu'
+    config.model.conv_init = "default"  # cifar_cnn blocks: 'default' | 'dirac' (first C_in filters pass their input through)
+    config.model.bn_epsilon = 1e-5   # cifar_cnn: BatchNorm's variance epsilon
 
     config.optimizer = ml_collections.ConfigDict()
-    config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw'
+    config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only)
     config.optimizer.learning_rate = 0.1
     config.optimizer.momentum = 0.9  # sgd; 0 = plain SGD
     config.optimizer.nesterov = False
@@ -37,13 +41,23 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.b1 = 0.9        # adam, adamw
     config.optimizer.b2 = 0.999
     config.optimizer.eps = 1e-8
+    config.optimizer.ns_steps = 5    # muon: Newton-Schulz iterations
+    config.optimizer.ns_coeffs = (3.4445, -4.7750, 2.0315)  # muon: the quintic iteration's (a, b, c)
+    config.optimizer.renormalize = False  # after each step, scale each kernel to norm sqrt(output channels)
+    config.optimizer.lookahead_steps = 0  # > 0: Lookahead, every this many steps pull the weights
+    config.optimizer.lookahead_alpha = 0.5  # toward (and reset them to) a slow copy, by this fraction
     config.optimizer.schedule = "constant"  # 'constant' | 'linear' | 'onecycle' | 'warmup_cosine'
     config.optimizer.warmup_fraction = 0.0  # of all steps; onecycle and warmup_cosine
     config.optimizer.start_lr_fraction = 0.0  # onecycle: first lr = peak * this
     config.optimizer.end_lr_fraction = 0.0    # linear, onecycle, warmup_cosine: last lr = peak * this
+    # Parameter groups: name -> param_group(...) below. A group's parameters get its own
+    # optimizer settings (any key above, plus lr_scale and train_steps); the rest use the
+    # settings above. Every group must match a parameter, and no parameter two groups.
+    config.optimizer.groups = ml_collections.ConfigDict()
 
     config.augment = ml_collections.ConfigDict()
     config.augment.flip = False      # random horizontal flip
+    config.augment.alternate_flip = False  # with flip: each image's flip alternates by epoch (random at first)
     config.augment.translate = 0     # random translation up to this many pixels (pad + crop)
     config.augment.pad_mode = "reflect"  # 'reflect' | 'constant' (zeros), for translate and TTA
     config.augment.rotate = 0.0      # random rotation up to this many degrees
@@ -68,5 +82,19 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.batch_size = 1000
     config.eval.tta = "none"         # 'none' | 'flip' | 'flip_translate'
+    config.eval.tta_fraction = 1.0   # TTA only on this fraction of test images, the least confident
     config.eval.every_epochs = 1     # 0 = only at the end
     return config
+
+
+def param_group(params: str, **settings) -> ml_collections.ConfigDict:
+    r"""One entry of optimizer.groups.
+
+    params: a regular expression that must match the whole '/'-joined parameter
+    path (e.g. r"ConvBlock_\d+/Conv_\d+/kernel"); lr_scale: the group's learning
+    rate is lr_scale x the schedule of optimizer.learning_rate; train_steps: > 0
+    trains the group for the first this many steps only. Any other optimizer key
+    (name, momentum, weight_decay, ...) overrides the top-level value.
+    """
+    return ml_collections.ConfigDict({"params": params, "lr_scale": 1.0, "train_steps": 0,
+                                      **settings})

@@ -12,10 +12,31 @@ def flip(images):
     return images[:, :, ::-1, :]
 
 
+def flip_where(images, mirror):
+    """Mirrors the images whose bit in `mirror` (bool, one per image) is set."""
+    return jnp.where(mirror[:, None, None, None], flip(images), images)
+
+
 def random_flip(images, key):
     """Mirrors each image with probability 1/2."""
     mirror = jax.random.bernoulli(key, 0.5, (images.shape[0], 1, 1, 1))
     return jnp.where(mirror, flip(images), images)
+
+
+# fold_in data for the per-run flip bits: far above any epoch number, so the bits never
+# share a key with an epoch's (order, augmentation) stream.
+FLIP_STREAM = 0x464C4950  # "FLIP"
+
+
+def alternating_flips(key, epoch, num_examples: int):
+    """Which training images to mirror in `epoch`: base_i XOR (epoch is odd).
+
+    Each image's base bit is drawn once per run from `key` alone, so every image
+    is seen both ways in any two consecutive epochs (the speedruns' alternating
+    flip), and a resumed run recomputes the same bits from (key, epoch).
+    """
+    base = jax.random.bernoulli(jax.random.fold_in(key, FLIP_STREAM), 0.5, (num_examples,))
+    return base ^ (epoch % 2 == 1)
 
 
 def _pad(images, amount, pad_mode):
@@ -95,15 +116,25 @@ def random_cutout(images, key, size: int):
     return jnp.where(hole[..., None], jnp.zeros_like(images), images)
 
 
-def augment_batch(images, key, *, flip: bool = False, translate: int = 0,
-                  rotate: float = 0.0, cutout: int = 0, pad_mode: str = "reflect"):
-    """Applies the configured augmentations (the `augment` config block) in a fixed order."""
+def augment_batch(images, key, *, flip: bool = False, alternate_flip: bool = False,
+                  translate: int = 0, rotate: float = 0.0, cutout: int = 0,
+                  pad_mode: str = "reflect", mirror=None):
+    """Applies the configured augmentations (the `augment` config block) in a fixed order.
+
+    With flip and alternate_flip, `mirror` (bool, one per image: the batch's
+    alternating_flips) says which images to mirror instead of a coin per image.
+    """
     if pad_mode not in ("reflect", "constant"):
         raise ValueError(f"augment.pad_mode must be 'reflect' or 'constant', got {pad_mode!r}")
     flip_key, translate_key, rotate_key, cutout_key = jax.random.split(key, 4)
     if rotate:
         images = random_rotate(images, rotate_key, rotate)
-    if flip:
+    if flip and alternate_flip:
+        if mirror is None:
+            raise ValueError("augment.alternate_flip needs the batch's mirror bits "
+                             "(augment.alternating_flips)")
+        images = flip_where(images, mirror)
+    elif flip:
         images = random_flip(images, flip_key)
     images = random_translate(images, translate_key, translate, pad_mode)
     images = random_cutout(images, cutout_key, cutout)

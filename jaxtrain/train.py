@@ -8,6 +8,7 @@ chunk, not once per step (on the CPU, once per step: see `resolve_loop`).
 Checkpoints are saved between chunks; see jaxtrain/checkpoint.py.
 """
 import functools
+import math
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state
@@ -75,6 +77,29 @@ def check_config(config) -> None:
     need(isinstance(widths, tuple) and len(widths) > 0 and all(isinstance(w, int) and w > 0
                                                                for w in widths),
          "model.widths", widths, "must be a tuple of positive channel counts, e.g. (64, 256, 256)")
+    model, opt = config.model, config.optimizer
+    need(model.activation in models.ACTIVATIONS, "model.activation", model.activation,
+         "must be one of " + ", ".join(models.ACTIVATIONS))
+    need(model.conv_init in models.CONV_INITS, "model.conv_init", model.conv_init,
+         "must be one of " + ", ".join(models.CONV_INITS))
+    need(model.bn_epsilon > 0, "model.bn_epsilon", model.bn_epsilon, "must be > 0")
+    need(model.head_init_std >= 0, "model.head_init_std", model.head_init_std,
+         "must be >= 0 (0: Flax's default init)")
+    need(opt.ns_steps >= 1, "optimizer.ns_steps", opt.ns_steps, "must be >= 1")
+    need(len(tuple(opt.ns_coeffs)) == 3, "optimizer.ns_coeffs", tuple(opt.ns_coeffs),
+         "must be three numbers (a, b, c)")
+    need(opt.lookahead_steps >= 0, "optimizer.lookahead_steps", opt.lookahead_steps,
+         "must be >= 0 (0: off)")
+    need(0 < opt.lookahead_alpha <= 1, "optimizer.lookahead_alpha", opt.lookahead_alpha,
+         "must be in (0, 1]")
+    for name in opt.groups.keys():
+        need(isinstance(opt.groups[name], (dict, ml_collections.ConfigDict)),
+             f"optimizer.groups.{name}", opt.groups[name],
+             "must be a group: configs.default.param_group(params_regex, ...)")
+    need(not config.augment.alternate_flip or config.augment.flip, "augment.alternate_flip",
+         config.augment.alternate_flip, "needs augment.flip=True")
+    need(0.0 <= config.eval.tta_fraction <= 1.0, "eval.tta_fraction", config.eval.tta_fraction,
+         "must be in [0, 1]")
     for key in ("mean", "std"):
         value = tuple(config.data[key])
         need(len(value) == 0 or all(isinstance(v, (int, float)) for v in value), f"data.{key}",
@@ -103,14 +128,15 @@ def create_train_state(key, model, tx, image_shape, sharding=None,
     return jax.jit(init, out_shardings=sharding)(key)
 
 
-def train_step(state, images, labels, key, *, mean, std, augment_kwargs, num_classes,
-               label_smoothing, skip_nonfinite=False):
+def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
+               num_classes, label_smoothing, skip_nonfinite=False):
     """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
 
+    `mirror`: the batch's alternating-flip bits (augment.alternate_flip), else None.
     With skip_nonfinite, a step whose loss is not finite leaves the state as it was.
     """
     augment_key, dropout_key = jax.random.split(key)
-    images = augment.augment_batch(images, augment_key, **augment_kwargs)
+    images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
     inputs = normalize(images, mean, std)
     targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
 
@@ -131,16 +157,24 @@ def train_step(state, images, labels, key, *, mean, std, augment_kwargs, num_cla
     return new_state, {"loss": loss, "accuracy": accuracy}
 
 
-def epoch_order(key, epoch, num_examples: int):
-    """The epoch's example order and augmentation key, derived from (key, epoch) alone,
-    so any step of any epoch can be rerun or resumed exactly."""
+def alternates_flip(augment_kwargs) -> bool:
+    """Whether the `augment` block asks for alternating (per-epoch, per-image) flips."""
+    return bool(augment_kwargs.get("flip") and augment_kwargs.get("alternate_flip"))
+
+
+def epoch_order(key, epoch, num_examples: int, alternate_flip: bool = False):
+    """(order, augment_key, flips) of an epoch, derived from (key, epoch) alone, so any
+    step of any epoch can be rerun or resumed exactly. flips: which images to mirror
+    (augment.alternating_flips) with alternate_flip, else None."""
     order_key, augment_key = jax.random.split(jax.random.fold_in(key, epoch))
-    return jax.random.permutation(order_key, num_examples), augment_key
+    flips = augment.alternating_flips(key, epoch, num_examples) if alternate_flip else None
+    return jax.random.permutation(order_key, num_examples), augment_key, flips
 
 
-def train_step_at(state, step, x_train, y_train, order, augment_key, *, batch_size,
-                  batch_sharding=None, **step_kwargs):
-    """Step `step` of an epoch: gathers its batch from the device-resident data.
+def train_step_at(state, step, x_train, y_train, order, augment_key, flips=None, *,
+                  batch_size, batch_sharding=None, **step_kwargs):
+    """Step `step` of an epoch: gathers its batch (and its flip bits) from the
+    device-resident data.
 
     With `batch_sharding`, each device gathers only its slice of the batch from
     its replica of the data, and XLA partitions the step over the batch.
@@ -148,8 +182,9 @@ def train_step_at(state, step, x_train, y_train, order, augment_key, *, batch_si
     indices = jax.lax.dynamic_slice_in_dim(order, step * batch_size, batch_size)
     if batch_sharding is not None:
         indices = jax.lax.with_sharding_constraint(indices, batch_sharding)
+    mirror = None if flips is None else flips[indices]
     return train_step(state, x_train[indices], y_train[indices],
-                      jax.random.fold_in(augment_key, step), **step_kwargs)
+                      jax.random.fold_in(augment_key, step), mirror, **step_kwargs)
 
 
 def summarize_chunk(steps, metrics):
@@ -163,38 +198,81 @@ def summarize_chunk(steps, metrics):
     return summary
 
 
-def train_chunk(state, x_train, y_train, order, augment_key, first_step, *, num_steps,
-                **step_kwargs):
-    """Steps first_step .. first_step + num_steps - 1 of an epoch, as one lax.scan."""
+def train_epoch_chunk(state, x_train, y_train, data_key, epoch, first_step, *, num_steps,
+                      **step_kwargs):
+    """Steps first_step .. first_step + num_steps - 1 of `epoch`, as one lax.scan.
+
+    The one epoch driver (training and the benchmark): the epoch's order, key and
+    flips are derived here from (data_key, epoch), so a chunk that starts mid-epoch
+    sees exactly the steps of the uninterrupted run.
+    """
+    order, augment_key, flips = epoch_order(
+        data_key, epoch, x_train.shape[0], alternates_flip(step_kwargs["augment_kwargs"]))
     steps = first_step + jnp.arange(num_steps, dtype=jnp.int32)
 
     def body(state, step):
-        return train_step_at(state, step, x_train, y_train, order, augment_key, **step_kwargs)
+        return train_step_at(state, step, x_train, y_train, order, augment_key, flips,
+                             **step_kwargs)
 
     state, metrics = jax.lax.scan(body, state, steps)
     return state, summarize_chunk(steps, metrics)
 
 
 def predict_logits(state, images, *, mean, std, tta, pad_mode):
-    """TTA-averaged logits for a uint8 batch, with BatchNorm in inference mode."""
+    """TTA-averaged logits for a uint8 batch, with BatchNorm in inference mode.
+
+    All views go through the model as one batch: one forward of V x N images
+    keeps the device busier than V forwards of N. The views are stacked per
+    image (N, V, ...), so a batch split over devices stays split the same way.
+    """
     views, weights = augment.tta_views(images, tta, pad_mode)
     variables = {"params": state.params, "batch_stats": state.batch_stats}
-    logits = [state.apply_fn(variables, normalize(v, mean, std), train=False) for v in views]
-    return sum(w * l for w, l in zip(weights, logits))
+    if len(views) == 1:
+        return state.apply_fn(variables, normalize(views[0], mean, std), train=False)
+    n = images.shape[0]
+    stacked = jnp.stack(views, axis=1).reshape(n * len(views), *images.shape[1:])
+    logits = state.apply_fn(variables, normalize(stacked, mean, std), train=False)
+    logits = logits.reshape(n, len(views), -1)
+    return jnp.sum(logits * jnp.asarray(weights, logits.dtype)[:, None], axis=1)
 
 
-def evaluate(state, x_batches, y_batches, valid_batches, **predict_kwargs):
-    """Mean loss and accuracy over padded test batches (padding masked out)."""
-    def batch_sums(batch):
-        images, labels, valid = batch
-        logits = predict_logits(state, images, **predict_kwargs)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        correct = jnp.argmax(logits, -1) == labels
-        return jnp.sum(losses * valid), jnp.sum(correct * valid)
+def eval_logits(state, x_batches, valid_batches, *, mean, std, tta, pad_mode, tta_images=None):
+    """Logits of padded test batches (B, batch, classes), BatchNorm in inference mode.
 
-    loss_sums, correct_sums = jax.lax.map(batch_sums, (x_batches, y_batches, valid_batches))
+    tta_images=None: TTA on every image; k: plain logits, then TTA only on the k
+    least confident valid images (max softmax probability; padding is never picked),
+    gathered into whole batches, so most of the TTA cost goes where it can change
+    an answer; 0: no TTA. k is static: the shapes of the TTA pass depend on it.
+    """
+    predict = functools.partial(predict_logits, state, mean=mean, std=std, pad_mode=pad_mode)
+    if tta_images is None and tta != "none":
+        return jax.lax.map(functools.partial(predict, tta=tta), x_batches)
+    plain = jax.lax.map(functools.partial(predict, tta="none"), x_batches)
+    if tta == "none" or not tta_images:
+        return plain
+    num_batches, batch = valid_batches.shape
+    flat = plain.reshape(num_batches * batch, plain.shape[-1])
+    confidence = jnp.max(jax.nn.softmax(flat, axis=-1), axis=-1)
+    confidence = jnp.where(valid_batches.reshape(-1) > 0, confidence, jnp.inf)
+    # Whole batches: the extra picks (the next least confident) are computed, not used.
+    whole = -(-tta_images // batch) * batch
+    _, picked = jax.lax.top_k(-confidence, whole)
+    images = x_batches.reshape(num_batches * batch, *x_batches.shape[2:])[picked]
+    tta_logits = jax.lax.map(functools.partial(predict, tta=tta),
+                             images.reshape(whole // batch, batch, *x_batches.shape[2:]))
+    tta_logits = tta_logits.reshape(whole, -1)[:tta_images]
+    return flat.at[picked[:tta_images]].set(tta_logits).reshape(plain.shape)
+
+
+def evaluate(state, x_batches, y_batches, valid_batches, **logits_kwargs):
+    """Mean loss and accuracy over padded test batches (padding masked out);
+    logits_kwargs: those of eval_logits."""
+    logits = eval_logits(state, x_batches, valid_batches, **logits_kwargs)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y_batches)
+    correct = jnp.argmax(logits, -1) == y_batches
     count = jnp.sum(valid_batches)
-    return {"loss": jnp.sum(loss_sums) / count, "accuracy": jnp.sum(correct_sums) / count}
+    return {"loss": jnp.sum(jnp.sum(losses * valid_batches, axis=1)) / count,
+            "accuracy": jnp.sum(jnp.sum(correct * valid_batches, axis=1)) / count}
 
 
 # ---------------------------------------------------------------- host side
@@ -269,38 +347,53 @@ def resolve_loop(loop: str, convolutional: bool) -> str:
     return loop
 
 
-def compile_chunks(loop, state, x_train, y_train, order_and_key, lengths, step_kwargs,
+def epoch_order_fn(num_examples: int, step_kwargs: dict, out_sharding=None):
+    """epoch_order for a training split of num_examples images and this run's
+    augmentation, jitted (the Python loop calls it once per epoch)."""
+    return jax.jit(functools.partial(epoch_order, num_examples=num_examples,
+                                     alternate_flip=alternates_flip(step_kwargs["augment_kwargs"])),
+                   out_shardings=out_sharding)
+
+
+def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs,
                    out_sharding=None):
     """Ahead-of-time compiles the training steps; returns
-    run_chunk(state, order, augment_key, first_step, num_steps, should_stop) -> (state, summary).
+    run_chunk(state, data_key, epoch, first_step, num_steps, should_stop) -> (state, summary).
 
-    The Python loop can stop after any step when should_stop() says so; a
-    scanned chunk always runs to its end. `out_sharding` places the new state
-    and the metrics (replicated, for data parallelism).
+    A scanned chunk is one train_epoch_chunk program, run to its end. The Python
+    loop computes the epoch's order once per epoch and calls one compiled
+    train_step_at per step; it can stop after any step when should_stop() says
+    so. `out_sharding` places the new state and the metrics (replicated, for
+    data parallelism).
     """
-    order, augment_key = order_and_key
     if loop == "scan":
         chunk_fns = {}
         for length in sorted(lengths):
-            fn = jax.jit(functools.partial(train_chunk, num_steps=length, **step_kwargs),
+            fn = jax.jit(functools.partial(train_epoch_chunk, num_steps=length, **step_kwargs),
                          donate_argnums=0, out_shardings=out_sharding)
-            chunk_fns[length] = fn.lower(state, x_train, y_train, order, augment_key,
+            chunk_fns[length] = fn.lower(state, x_train, y_train, data_key, np.int32(0),
                                          np.int32(0)).compile()
 
-        def run_chunk(state, order, augment_key, first_step, num_steps, should_stop=None):
-            return chunk_fns[num_steps](state, x_train, y_train, order, augment_key,
+        def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
+            return chunk_fns[num_steps](state, x_train, y_train, data_key, np.int32(epoch),
                                         np.int32(first_step))
         return run_chunk
 
+    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, out_sharding)
+    order_fn = order_fn.lower(data_key, np.int32(0)).compile()
     step_fn = jax.jit(functools.partial(train_step_at, **step_kwargs), donate_argnums=0,
                       out_shardings=out_sharding)
-    step_fn = step_fn.lower(state, np.int32(0), x_train, y_train, order, augment_key).compile()
+    step_fn = step_fn.lower(state, np.int32(0), x_train, y_train,
+                            *order_fn(data_key, np.int32(0))).compile()
+    current = {}  # the last epoch's key, number and order: one order_fn call per epoch
 
-    def run_chunk(state, order, augment_key, first_step, num_steps, should_stop=None):
+    def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
+        if current.get("key") is not data_key or current.get("epoch") != epoch:
+            current.update(key=data_key, epoch=epoch, order=order_fn(data_key, np.int32(epoch)))
         metrics = []
         for step in range(first_step, first_step + num_steps):
-            state, step_metrics = step_fn(state, np.int32(step), x_train, y_train, order,
-                                          augment_key)
+            state, step_metrics = step_fn(state, np.int32(step), x_train, y_train,
+                                          *current["order"])
             metrics.append(step_metrics)
             if should_stop is not None and should_stop():
                 break
@@ -322,7 +415,7 @@ class Setup(NamedTuple):
     mesh: Any
     dataset: data.Dataset
     model: Any
-    stem_kernel: Any  # None, or the whitened stem's fixed weights
+    stem_kernel: Any  # None, or the whitened stem's fixed weights (None with abstract_state)
     mean: tuple
     std: tuple
     schedule: Any
@@ -340,6 +433,13 @@ def check_batch_split(batch_size: int, mesh) -> None:
         options = " or ".join(str(size) for size in (lower, upper) if size > 0)
         raise ConfigError(f"config.train.batch_size={batch_size} does not split evenly over "
                           f"{devices} devices: use a multiple of {devices} (e.g. {options})")
+
+
+def whitening_fn(config, mean, std):
+    """models.whitening_kernel for this run's stem, jitted: training and the benchmark
+    (inside its timed program) compute the same filters from the training images."""
+    return jax.jit(functools.partial(models.whitening_kernel, mean=tuple(mean), std=tuple(std),
+                                     filters=config.model.stem_width))
 
 
 def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
@@ -368,9 +468,15 @@ def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
             models.check_stem(config.model, dataset.image_shape[-1])
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        stem_kernel = models.whitening_kernel(dataset.x_train, mean, std, config.model.stem_width)
+        if not abstract_state:  # callers of an abstract state compute it in their program
+            stem_kernel = whitening_fn(config, mean, std)(
+                dataset.x_train[:models.WHITENING_IMAGES])
     schedule = optim.create_schedule(config.optimizer, total_steps)
-    tx = optim.create_optimizer(config.optimizer, schedule, models.frozen_params(config.model))
+    frozen = models.frozen_params(config.model)
+    abstract_params = jax.eval_shape(functools.partial(
+        model.init, x=jnp.zeros((1, *dataset.image_shape)), train=False), jax.random.key(0))
+    optim.check_groups(config.optimizer, abstract_params["params"], frozen)
+    tx = optim.create_optimizer(config.optimizer, schedule, frozen)
     replicated = parallel.replicated(mesh)
     init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
                                  out_shardings=replicated)()
@@ -390,7 +496,7 @@ def put_eval_data(config, run: Setup):
 
 
 def step_arguments(config, run: Setup) -> dict:
-    """The static keyword arguments of train_step_at (and train_chunk) for this run."""
+    """The static keyword arguments of train_step_at (and train_epoch_chunk) for this run."""
     return dict(batch_size=config.train.batch_size,
                 batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
                 augment_kwargs=config.augment.to_dict(), num_classes=run.dataset.num_classes,
@@ -398,15 +504,18 @@ def step_arguments(config, run: Setup) -> dict:
                 skip_nonfinite=config.train.nonfinite == "skip")
 
 
+def tta_image_count(fraction: float, num_images: int):
+    """eval.tta_fraction as evaluate's static tta_images: None = all, else
+    ceil(fraction x num_images) (within float rounding: 0.3 x 10 is 3, not 4)."""
+    count = min(max(math.ceil(fraction * num_images - 1e-9), 0), num_images)
+    return None if count == num_images else count
+
+
 def eval_arguments(config, run: Setup) -> dict:
-    """The static keyword arguments of evaluate (and predict_logits) for this run."""
-    return dict(mean=run.mean, std=run.std, tta=config.eval.tta, pad_mode=config.augment.pad_mode)
-
-
-def epoch_order_fn(run: Setup):
-    """epoch_order for this run's training split, jitted, its results replicated."""
-    return jax.jit(functools.partial(epoch_order, num_examples=len(run.dataset.x_train)),
-                   out_shardings=parallel.replicated(run.mesh))
+    """The static keyword arguments of evaluate for this run (predict_logits takes
+    all but tta_images)."""
+    return dict(mean=run.mean, std=run.std, tta=config.eval.tta, pad_mode=config.augment.pad_mode,
+                tta_images=tta_image_count(config.eval.tta_fraction, len(run.dataset.x_test)))
 
 
 def put_train_data(run: Setup):
@@ -503,9 +612,8 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                        every_save, start_step)
 
     compile_start = time.perf_counter()
-    order_fn = epoch_order_fn(run).lower(data_key, np.int32(0)).compile()
     loop = resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
-    run_chunk = compile_chunks(loop, state, x_train, y_train, order_fn(data_key, np.int32(0)),
+    run_chunk = compile_chunks(loop, state, x_train, y_train, data_key,
                                {length for _, _, length in plan}, step_kwargs, replicated)
     eval_fn = compile_eval(config, run, state, eval_arrays)
     compile_seconds = time.perf_counter() - compile_start
@@ -521,17 +629,14 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
                             f"({manager.directory}/{start_step})")
     step = start_step
     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-    test_metrics = order = None
+    test_metrics = None
     record = reporter.records[-1] if reporter.records else {}
     # One process alone may not stop mid-chunk: the others would wait for it forever.
     single_process = jax.process_count() == 1
     try:
         with StopRequest() as stop:
             for epoch, first_step, length in plan:
-                if first_step == 0 or order is None:
-                    (order, augment_key), seconds = timed(order_fn, data_key, np.int32(epoch))
-                    train_seconds += seconds
-                (state, metrics), seconds = timed(run_chunk, state, order, augment_key,
+                (state, metrics), seconds = timed(run_chunk, state, data_key, epoch,
                                                   first_step, length,
                                                   stop if single_process else None)
                 train_seconds += seconds

@@ -101,3 +101,32 @@ def test_tta_views_and_weights(images, mode, count):
 def test_unknown_tta_mode_is_refused(images):
     with pytest.raises(ValueError, match="eval.tta"):
         augment.tta_views(images, "rotate")
+
+
+def test_alternating_flips_are_a_base_bit_xor_odd_epoch_from_the_key_alone():
+    key = jax.random.key(3)
+    epochs = [np.asarray(augment.alternating_flips(key, epoch, 1000)) for epoch in range(4)]
+    assert epochs[0].dtype == bool and 400 < epochs[0].sum() < 600  # a coin per image
+    np.testing.assert_array_equal(epochs[0], epochs[2])
+    np.testing.assert_array_equal(epochs[1], ~epochs[0])  # every image mirrored the other way
+    np.testing.assert_array_equal(epochs[3], epochs[1])
+    again = augment.alternating_flips(jax.random.key(3), np.int32(2), 1000)  # traced epoch
+    np.testing.assert_array_equal(np.asarray(again), epochs[0])
+    other = np.asarray(augment.alternating_flips(jax.random.key(4), 0, 1000))
+    assert not np.array_equal(other, epochs[0])
+
+
+def test_alternate_flip_mirrors_exactly_the_given_images(images):
+    mirror = np.arange(len(images)) % 3 == 0
+    kwargs = dict(flip=True, alternate_flip=True, translate=0)
+    out = np.asarray(augment.augment_batch(images, jax.random.key(0), mirror=mirror, **kwargs))
+    np.testing.assert_array_equal(out[mirror], images[mirror][:, :, ::-1])
+    np.testing.assert_array_equal(out[~mirror], images[~mirror])
+    with pytest.raises(ValueError, match="alternate_flip"):
+        augment.augment_batch(images, jax.random.key(0), **kwargs)
+    # without flip the bits do nothing; without alternate_flip the coin is random, as before
+    unflipped = augment.augment_batch(images, jax.random.key(0), alternate_flip=True, mirror=mirror)
+    np.testing.assert_array_equal(np.asarray(unflipped), images)
+    np.testing.assert_array_equal(
+        np.asarray(augment.augment_batch(images, jax.random.key(0), flip=True, mirror=mirror)),
+        np.asarray(augment.random_flip(images, jax.random.split(jax.random.key(0), 4)[0])))

@@ -93,3 +93,204 @@ def test_frozen_parameters_get_no_step_and_no_decay():
         params = optax.apply_updates(params, updates)
     np.testing.assert_array_equal(params["a"]["kernel"], 1.0)
     assert (params["a"]["bias"] < 1.0).all() and (params["b"]["kernel"] < 1.0).all()
+
+
+# ---------------------------------------------------------------- Muon and parameter groups
+
+def newton_schulz_reference(g, coeffs, steps, eps=1e-8):
+    """Muon's orthogonalisation, written from its description: Frobenius-normalise, work on
+    the wide orientation, X <- aX + (bA + cA^2)X with A = XX^T."""
+    a, b, c = coeffs
+    x = g / (np.linalg.norm(g) + eps)
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else x.T
+
+
+def muon_reference(kernel, grads, *, lr, beta, coeffs, steps, weight_decay, renormalize):
+    """NumPy Muon on an HWIO kernel seen as a (H*W*C_in) x C_out matrix, with optax's
+    momentum (an average with bias correction, Nesterov form), decoupled weight decay
+    and the optional renormalisation to norm sqrt(C_out) after each step."""
+    p = kernel.astype(np.float64)
+    mu = np.zeros_like(p)
+    fan_in, fan_out = int(np.prod(p.shape[:-1])), p.shape[-1]
+    for t, g in enumerate(grads, start=1):
+        mu = beta * mu + (1 - beta) * g
+        nesterov = beta * mu / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta ** t)
+        update = newton_schulz_reference(nesterov.reshape(fan_in, fan_out), coeffs, steps)
+        update = update.reshape(p.shape) * np.sqrt(max(1.0, fan_out / fan_in))
+        p = p - lr * (update + weight_decay * p)
+        if renormalize:
+            p = p * np.sqrt(fan_out) / np.linalg.norm(p)
+    return p
+
+
+def grouped_config(**groups):
+    config = opt_config(learning_rate=1.0, momentum=0.9)
+    for name, group in groups.items():
+        config.groups[name] = group
+    return config
+
+
+def test_three_muon_steps_match_a_numpy_reference():
+    rng = np.random.default_rng(0)
+    kernel = rng.normal(size=(3, 3, 4, 8)).astype(np.float32)
+    grads = [rng.normal(size=kernel.shape).astype(np.float32) for _ in range(3)]
+    coeffs = (3.4445, -4.7750, 2.0315)
+    config = grouped_config(filters=default.param_group(
+        "conv/kernel", name="muon", lr_scale=0.24, momentum=0.6, nesterov=True, ns_steps=3,
+        ns_coeffs=coeffs, weight_decay=0.1, renormalize=True))
+    tx = optim.create_optimizer(config, optim.create_schedule(config, 10))
+    params = {"conv": {"kernel": jnp.asarray(kernel)}}
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update({"conv": {"kernel": jnp.asarray(g)}}, state, params)
+        params = optax.apply_updates(params, updates)
+    expected = muon_reference(kernel, grads, lr=0.24, beta=0.6, coeffs=coeffs, steps=3,
+                              weight_decay=0.1, renormalize=True)
+    np.testing.assert_allclose(params["conv"]["kernel"], expected, rtol=1e-5, atol=1e-6)
+    assert np.linalg.norm(params["conv"]["kernel"]) == pytest.approx(np.sqrt(8), rel=1e-5)
+    # and the reference is not trivially satisfied: without renormalisation it differs
+    plain = muon_reference(kernel, grads, lr=0.24, beta=0.6, coeffs=coeffs, steps=3,
+                           weight_decay=0.1, renormalize=False)
+    assert np.abs(plain - expected).max() > 1e-2
+
+
+def test_muon_treats_a_tall_kernel_as_one_matrix_even_when_it_is_wide():
+    # C_out > H*W*C_in: the matrix is transposed for the iteration, and scaled by shape
+    rng = np.random.default_rng(1)
+    kernel = rng.normal(size=(1, 1, 3, 16)).astype(np.float32)
+    grads = [rng.normal(size=kernel.shape).astype(np.float32) for _ in range(3)]
+    config = grouped_config(w=default.param_group("w", name="muon", lr_scale=0.1, momentum=0.5,
+                                                  nesterov=True, ns_steps=5))
+    tx = optim.create_optimizer(config, optim.create_schedule(config, 10))
+    params, state = {"w": jnp.asarray(kernel)}, None
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update({"w": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, updates)
+    expected = muon_reference(kernel, grads, lr=0.1, beta=0.5, coeffs=(3.4445, -4.7750, 2.0315),
+                              steps=5, weight_decay=0.0, renormalize=False)
+    np.testing.assert_allclose(params["w"], expected, rtol=1e-5, atol=1e-6)
+
+
+def speedrun_params():
+    """cifar_cnn's parameter tree (narrow, the speedrun's layers), with random values."""
+    from configs import cifar_speedrun
+    from jaxtrain import models
+    config = cifar_speedrun.get_config()
+    config.model.widths = (8, 16, 16)
+    model = models.create_model(config.model, 10, jnp.float32)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)["params"]
+    return config, params
+
+
+def run_steps(config, params, steps, total=10, frozen=("Conv_0/kernel",), seed=0):
+    tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, total),
+                                frozen)
+    state, history = tx.init(params), [params]
+    keys = jax.random.split(jax.random.key(seed), steps)
+    for key in keys:
+        leaves, tree = jax.tree.flatten(params)
+        grads = jax.tree.unflatten(tree, [jax.random.normal(k, p.shape) for k, p in
+                                          zip(jax.random.split(key, len(leaves)), leaves)])
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(params)
+    return history
+
+
+def changed(before, after):
+    return {optim.param_path(path) for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after))
+        if not np.array_equal(a, b)}
+
+
+def test_the_speedrun_groups_cover_every_parameter_once():
+    config, params = speedrun_params()
+    labels = optim.param_labels(config.optimizer, params, ("Conv_0/kernel",))
+    by_path = {optim.param_path(p): label for p, label in
+               jax.tree_util.tree_leaves_with_path(labels)}
+    assert by_path["Conv_0/kernel"] == "frozen" and by_path["Conv_0/bias"] == "stem_bias"
+    assert by_path["Dense_0/kernel"] == "head"
+    assert by_path["ConvBlock_2/Conv_1/kernel"] == "filters"
+    assert by_path["ConvBlock_0/BatchNorm_1/bias"] == "norm_biases"
+    assert "default" not in by_path.values()
+
+
+def test_each_group_gets_its_own_learning_rate():
+    config, params = speedrun_params()
+    config.optimizer.groups.filters.renormalize = False  # a renormalisation is not an lr step
+    for name in ("filters", "norm_biases", "stem_bias"):
+        config.optimizer.groups[name].lr_scale = 0.0
+    before, after = run_steps(config, params, 1)
+    assert changed(before, after) == {"Dense_0/kernel"}
+    config.optimizer.groups.head.lr_scale = 0.0
+    config.optimizer.groups.norm_biases.lr_scale = 1.0
+    before, after = run_steps(config, params, 1)
+    assert changed(before, after) == {f"ConvBlock_{i}/BatchNorm_{j}/bias"
+                                      for i in range(3) for j in range(2)}
+
+
+def test_the_stem_bias_is_trained_for_its_first_steps_only():
+    config, params = speedrun_params()
+    config.optimizer.groups.stem_bias.train_steps = 2
+    history = run_steps(config, params, 4)
+    bias = [np.asarray(p["Conv_0"]["bias"]) for p in history]
+    assert not np.array_equal(bias[0], bias[1]) and not np.array_equal(bias[1], bias[2])
+    np.testing.assert_array_equal(bias[2], bias[3])
+    np.testing.assert_array_equal(bias[2], bias[4])
+    np.testing.assert_array_equal(history[4]["Conv_0"]["kernel"], params["Conv_0"]["kernel"])
+    assert not np.array_equal(history[3]["Dense_0"]["kernel"], history[4]["Dense_0"]["kernel"])
+    # its rate decays over its own steps: lr_scale x (1, 1/2) for a linear schedule
+    schedule = optim.group_schedule(optim.group_settings(config.optimizer, "stem_bias"),
+                                    optim.create_schedule(config.optimizer, 10))
+    assert [float(schedule(s)) for s in range(4)] == pytest.approx([106.0, 53.0, 0.0, 0.0])
+
+
+def test_renormalized_filters_keep_norm_sqrt_output_channels():
+    config, params = speedrun_params()
+    last = run_steps(config, params, 2)[-1]
+    for i, width in enumerate((8, 16, 16)):
+        for j in range(2):
+            kernel = last[f"ConvBlock_{i}"][f"Conv_{j}"]["kernel"]
+            assert float(jnp.linalg.norm(kernel)) == pytest.approx(np.sqrt(width), rel=1e-5)
+
+
+@pytest.mark.parametrize("groups,message", [
+    ({"fc": default.param_group("Dense_1/kernel")},
+     r"groups.fc.params='Dense_1/kernel' matches no parameter \(trainable: .*Dense_0/kernel"),
+    ({"a": default.param_group(".*/bias"), "b": default.param_group("Conv_0/.*")},
+     "parameter Conv_0/bias is in two optimizer groups: a and b"),
+    ({"m": default.param_group(".*bias", name="muon")},
+     r"groups.m: muon needs parameters of 2 or more dimensions, not .*Conv_0/bias"),
+    ({"r": default.param_group("Conv_0/bias", renormalize=True)}, "renormalize needs"),
+    ({"x": default.param_group("(unclosed")}, "groups.x.params='\\(unclosed' is not a regular"),
+    ({"x": default.param_group("Conv_0/bias", lr=0.1)}, r"groups.x: unknown key\(s\) lr"),
+    ({"x": default.param_group("Conv_0/bias", learning_rate=0.1)}, "unknown key"),
+    ({"default": default.param_group("Conv_0/bias")}, "'default' is reserved"),
+    ({"x": default.param_group("Conv_0/bias", name="lion")}, "groups.x.name='lion'"),
+    ({"x": default.param_group("Conv_0/bias", train_steps=-1)}, "train_steps must be >= 0"),
+])
+def test_bad_groups_are_config_errors_naming_them(groups, message):
+    from jaxtrain.errors import ConfigError
+    _, params = speedrun_params()
+    config = grouped_config(**groups)
+    with pytest.raises(ConfigError, match=message):
+        optim.check_groups(config, params, ("Conv_0/kernel",))
+
+
+def test_lookahead_pulls_the_weights_toward_a_slow_copy():
+    config = opt_config(learning_rate=0.1, momentum=0.0, lookahead_steps=2, lookahead_alpha=0.5)
+    tx = optim.create_optimizer(config, optim.create_schedule(config, 10))
+    params, grads = {"w": jnp.array([1.0])}, {"w": jnp.array([1.0])}
+    state, values = tx.init(params), []
+    for _ in range(4):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        values.append(float(params["w"][0]))
+    # fast: 0.9, 0.8 -> sync: 1 + 0.5 (0.8 - 1) = 0.9; 0.8, 0.7 -> 0.9 + 0.5 (0.7 - 0.9) = 0.8
+    assert values == pytest.approx([0.9, 0.9, 0.8, 0.8])

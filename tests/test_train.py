@@ -1,14 +1,17 @@
 """End-to-end training on a real CIFAR-10 subset (2,000 train / 500 test images)."""
+import functools
 import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from configs import cifar, cifar_seed_cnn
+from configs import cifar, cifar_seed_cnn, default
 import jaxtrain
-from jaxtrain import TrainingError, data, report, train
+from jaxtrain import TrainingError, augment, data, report, train
 
 
 def small_config(data_dir, base=cifar, **overrides):
@@ -183,3 +186,195 @@ def test_a_whitened_stem_stays_fixed_while_the_rest_trains(cifar_batches_dir, tm
     np.testing.assert_array_equal(trained["Conv_0"]["kernel"], run.stem_kernel)
     assert not np.allclose(trained["Conv_0"]["bias"], initial["Conv_0"]["bias"])
     assert not np.allclose(trained["Dense_0"]["kernel"], initial["Dense_0"]["kernel"])
+
+
+# ---------------------------------------------------------------- the epoch driver
+
+def recording_step(state, images, labels, key, mirror=None, *, augment_kwargs, **_):
+    """Stands in for train.train_step: the 'state' records the augmented image that each
+    example (its label is its index) was trained on."""
+    seen = augment.augment_batch(images, key, mirror=mirror, **augment_kwargs)
+    return state.at[labels].set(seen), {"loss": jnp.zeros(()), "accuracy": jnp.zeros(())}
+
+
+def distinct_images(n, seed=0):
+    images = np.random.default_rng(seed).integers(0, 256, (n, 4, 4, 1), dtype=np.uint8)
+    assert not np.any(np.all(images == images[:, :, ::-1], axis=(1, 2, 3)))  # none symmetric
+    return images, np.arange(n, dtype=np.int32)
+
+
+def record_epoch(loop, augment_kwargs, epochs, n=12, batch=3):
+    """{epoch: the images each example was trained on}, by the loop's compiled chunks,
+    one chunk per epoch and two; checks both give the same."""
+    x, y = distinct_images(n)
+    step_kwargs = dict(batch_size=batch, mean=(0.0,), std=(1.0,), augment_kwargs=augment_kwargs,
+                       num_classes=n, label_smoothing=0.0)
+    key = jax.random.key(11)
+    steps = n // batch
+    run_chunk = train.compile_chunks(loop, jnp.zeros_like(x), x, y, key, {steps, steps // 2},
+                                     step_kwargs)
+    seen = {}
+    for epoch in epochs:
+        whole, _ = run_chunk(jnp.zeros_like(x), key, epoch, 0, steps)
+        half, _ = run_chunk(jnp.zeros_like(x), key, epoch, 0, steps // 2)
+        half, _ = run_chunk(half, key, epoch, steps // 2, steps - steps // 2)
+        np.testing.assert_array_equal(np.asarray(half), np.asarray(whole))
+        seen[epoch] = np.asarray(whole)
+    return x, key, seen
+
+
+@pytest.mark.parametrize("loop", ["scan", "python"])
+def test_alternating_flip_mirrors_base_xor_odd_epoch(monkeypatch, loop):
+    monkeypatch.setattr(train, "train_step", recording_step)
+    kwargs = dict(flip=True, alternate_flip=True, translate=0, pad_mode="reflect")
+    x, key, seen = record_epoch(loop, kwargs, epochs=(0, 1, 2))
+    base = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, augment.FLIP_STREAM), 0.5,
+                                           (len(x),)))
+    assert 0 < base.sum() < len(x)  # both kinds present, or the test proves little
+    for epoch, images in seen.items():
+        mirrored = np.all(images == x[:, :, ::-1], axis=(1, 2, 3))
+        assert np.all(mirrored | np.all(images == x, axis=(1, 2, 3)))
+        np.testing.assert_array_equal(mirrored, base ^ (epoch % 2 == 1))
+    np.testing.assert_array_equal(seen[0], seen[2])
+
+
+@pytest.mark.parametrize("loop", ["scan", "python"])
+def test_without_alternate_flip_the_epoch_keeps_its_old_order_and_keys(monkeypatch, loop):
+    """The derivation from before the epoch driver: order and augmentation key from
+    split(fold_in(key, epoch)), step s augmented with fold_in(augment_key, s)."""
+    monkeypatch.setattr(train, "train_step", recording_step)
+    kwargs = dict(flip=True, alternate_flip=False, translate=1, pad_mode="constant")
+    x, key, seen = record_epoch(loop, kwargs, epochs=(0, 3))
+    for epoch, images in seen.items():
+        order_key, augment_key = jax.random.split(jax.random.fold_in(key, epoch))
+        order = np.asarray(jax.random.permutation(order_key, len(x)))
+        expected = np.zeros_like(x)
+        for step in range(len(x) // 3):
+            indices = order[step * 3:(step + 1) * 3]
+            expected[indices] = augment.augment_batch(x[indices],
+                                                      jax.random.fold_in(augment_key, step),
+                                                      **kwargs)
+        np.testing.assert_array_equal(images, expected)
+
+
+def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
+    """A small BatchNorm MLP trained by the real step: chunking is invisible, in both loops."""
+    model_config = default.get_config().model
+    model_config.name, model_config.hidden_sizes, model_config.batch_norm = "mlp", (32,), True
+    model = train.models.create_model(model_config, 10, jnp.float32)
+    tx = optax.sgd(0.05, momentum=0.9)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment_kwargs=dict(
+                           flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
+    key = jax.random.key(2)
+    initial = train.create_train_state(jax.random.key(0), model, tx, (8, 8, 3))
+    results = {}
+    for loop in ("scan", "python"):
+        run_chunk = train.compile_chunks(loop, initial, x, y, key, {2, 4}, step_kwargs)
+        for chunks in ((4,), (2, 2)):
+            state = jax.tree.map(jnp.copy, initial)  # the chunks donate their input state
+            for epoch in range(2):
+                first = 0
+                for length in chunks:
+                    state, _ = run_chunk(state, key, epoch, first, length)
+                    first += length
+            results[loop, chunks] = jax.device_get((state.params, state.batch_stats))
+    reference = results["scan", (4,)]
+    for name, result in results.items():
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                     result, reference)
+
+
+# ---------------------------------------------------------------- test-time augmentation
+
+MEAN, STD = (0.5,), (0.25,)
+
+
+@pytest.fixture(scope="module")
+def tta_setup(cifar_subset):
+    config = small_config("unused")
+    config.model.widths, config.model.stem_width = (8, 16, 16), 8
+    config.model.head_scale = 30.0  # logits of order 1, so that TTA visibly changes them
+    model = train.models.create_model(config.model, 10, jnp.float32)
+    state = train.create_train_state(jax.random.key(0), model, optax.sgd(0.1), (32, 32, 3))
+    # 500 images in batches of 200: 100 padding rows, random images (not black) so that
+    # TTA would change their logits if they were ever picked
+    arrays = list(train.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
+    noise = np.random.default_rng(0).integers(0, 256, (100, 32, 32, 3), dtype=np.uint8)
+    arrays[0][-1, 100:] = noise
+    return state, tuple(arrays)
+
+
+@functools.partial(jax.jit, static_argnames="tta")
+def per_view_logits(state, images, tta):
+    """predict_logits as it was: one forward per TTA view."""
+    views, weights = augment.tta_views(images, tta, "reflect")
+    variables = {"params": state.params, "batch_stats": state.batch_stats}
+    return sum(w * state.apply_fn(variables, train.normalize(v, MEAN, STD), train=False)
+               for w, v in zip(weights, views))
+
+
+def logits(state, arrays, tta, tta_images=None):
+    return np.asarray(train.eval_logits(state, arrays[0], arrays[2], mean=MEAN, std=STD, tta=tta,
+                                        pad_mode="reflect", tta_images=tta_images))
+
+
+def evaluate(state, arrays, tta, tta_images=None):
+    metrics = train.evaluate(state, *arrays, mean=MEAN, std=STD, tta=tta, pad_mode="reflect",
+                             tta_images=tta_images)
+    return float(metrics["loss"]), float(metrics["accuracy"])
+
+
+@pytest.mark.parametrize("tta", ["flip", "flip_translate"])
+def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
+    state, arrays = tta_setup
+    images = jnp.asarray(arrays[0][0, :50])
+    stacked = train.predict_logits(state, images, mean=MEAN, std=STD, tta=tta, pad_mode="reflect")
+    np.testing.assert_allclose(np.asarray(stacked), np.asarray(per_view_logits(state, images, tta)),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup):
+    state, (x, y, valid) = tta_setup
+    assert train.tta_image_count(1.0, 500) is None and train.tta_image_count(0.0, 500) == 0
+    old = [per_view_logits(state, jnp.asarray(batch), "flip") for batch in x]
+    losses = [optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+              for logits, labels in zip(old, y)]
+    count = valid.sum()
+    old_loss = sum(float(jnp.sum(l * v)) for l, v in zip(losses, valid)) / count
+    old_accuracy = sum(float(jnp.sum((jnp.argmax(l, -1) == labels) * v))
+                       for l, labels, v in zip(old, y, valid)) / count
+    loss, accuracy = evaluate(state, (x, y, valid), "flip")
+    assert loss == pytest.approx(old_loss, rel=1e-5) and accuracy == pytest.approx(old_accuracy)
+    assert evaluate(state, (x, y, valid), "flip", 0) == evaluate(state, (x, y, valid), "none")
+    assert evaluate(state, (x, y, valid), "none", 50) == evaluate(state, (x, y, valid), "none")
+
+
+@pytest.mark.parametrize("fraction,count", [(0.1, 50), (0.99, 495)])
+def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup, fraction,
+                                                                      count):
+    state, arrays = tta_setup
+    assert train.tta_image_count(fraction, 500) == count
+    assert train.tta_image_count(0.3, 10) == 3  # not 4 from 0.30000000000000004 x 10
+    plain, full = logits(state, arrays, "none"), logits(state, arrays, "flip")
+    mixed = logits(state, arrays, "flip", count)
+    plain, full, mixed = (a.reshape(-1, 10) for a in (plain, full, mixed))
+    valid = arrays[2].reshape(-1) > 0
+    assert np.all(np.abs(full - plain).max(-1) > 1e-4)  # TTA changes every row, padding too
+    confidence = jax.nn.softmax(plain).max(-1)
+    assert len(np.unique(confidence[valid])) == valid.sum()  # no ties
+    expected = np.zeros(len(valid), bool)
+    expected[np.flatnonzero(valid)[np.argsort(confidence[valid])[:count]]] = True
+    tta_rows = np.all(np.isclose(mixed, full, rtol=1e-5, atol=1e-5), axis=-1)
+    plain_rows = np.all(mixed == plain, axis=-1)
+    np.testing.assert_array_equal(tta_rows, expected)
+    np.testing.assert_array_equal(plain_rows, ~expected)
+    assert not np.any(tta_rows[~valid])  # padding never gets TTA
+    loss, accuracy = evaluate(state, arrays, "flip", count)
+    labels = arrays[1].reshape(-1)
+    want = optax.softmax_cross_entropy_with_integer_labels(mixed, labels)[valid].mean()
+    assert loss == pytest.approx(float(want), rel=1e-5)
+    assert accuracy == pytest.approx(float(np.mean(mixed.argmax(-1)[valid] == labels[valid])))

@@ -1,0 +1,39 @@
+"""Every config key has a bad-value error that names it (train.check_config)."""
+import pytest
+
+from configs import cifar_speedrun, default
+from jaxtrain import train
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("model.activation", "tanh", "config.model.activation='tanh': must be one of gelu_tanh"),
+    ("model.conv_init", "identity", "config.model.conv_init='identity': must be one of"),
+    ("model.bn_epsilon", 0.0, "config.model.bn_epsilon=0.0: must be > 0"),
+    ("model.head_init_std", -1.0, "config.model.head_init_std=-1.0: must be >= 0"),
+    ("optimizer.name", "lion", "config.optimizer.name='lion': must be one of sgd, adam, adamw, "
+                               "muon"),
+    ("optimizer.ns_steps", 0, "config.optimizer.ns_steps=0: must be >= 1"),
+    ("optimizer.ns_coeffs", (1.0, 2.0), r"config.optimizer.ns_coeffs=\(1.0, 2.0\): must be three"),
+    ("optimizer.lookahead_steps", -1, "config.optimizer.lookahead_steps=-1: must be >= 0"),
+    ("optimizer.lookahead_alpha", 0.0, r"config.optimizer.lookahead_alpha=0.0: must be in \(0, 1\]"),
+    ("augment.alternate_flip", True, "config.augment.alternate_flip=True: needs augment.flip=True"),
+    ("eval.tta_fraction", 1.5, r"config.eval.tta_fraction=1.5: must be in \[0, 1\]"),
+])
+def test_bad_values_of_new_keys_name_the_key(key, value, message):
+    config = default.get_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(train.ConfigError, match=message):
+        train.check_config(config)
+
+
+def test_a_group_must_be_a_param_group():
+    config = default.get_config()
+    config.optimizer.groups.head = 0.5
+    with pytest.raises(train.ConfigError, match="config.optimizer.groups.head=0.5: must be a group"):
+        train.check_config(config)
+
+
+def test_the_recipes_pass_the_checks():
+    train.check_config(default.get_config())
+    train.check_config(cifar_speedrun.get_config())
