@@ -1,6 +1,7 @@
 """Speed: the speedrun benchmark and the XLA inspection report.
 
     python -m jaxtrain.bench --config=configs/cifar_speedrun.py --runs=10 [--json=FILE]
+        [--devices=N] [--compilation_cache=DIR] [--whole_process]
     python -m jaxtrain.bench --config=configs/cifar.py --inspect [--json=FILE]
 
 The benchmark times what the public PyTorch speedruns time: from the first
@@ -8,6 +9,17 @@ training step to the final test accuracy, data already on the device,
 compilation excluded. Each run, with its own seed, is one XLA program (init,
 every epoch as a lax.scan of steps, the test-time-augmented evaluation),
 compiled once for all runs: the seed is an argument, not a constant.
+
+It runs on one device unless --devices says more: the public records are
+single-GPU, so a number from a larger mesh would not compare with them.
+
+What a user waits for is the whole process (start-up, data loading, compiling,
+training), and most of that is compilation. --whole_process reports it twice,
+by running the benchmark as two child processes sharing a persistent
+compilation cache: cold (empty cache), then warm (the cache the cold run
+wrote). The cache is a fresh folder every time, never an existing one emptied:
+under --compilation_cache=DIR a new subfolder of DIR, kept; otherwise a
+temporary folder, removed at the end.
 
 The inspection report compiles one training step of any config and reads what
 XLA made of it: kernels launched (fusions, library calls, copies, collectives),
@@ -34,7 +46,9 @@ PROCESS_START = process_start_time()
 
 import functools  # noqa: E402  (after the clock: the imports below are part of the run)
 import json  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -69,12 +83,12 @@ def inspect(config, steps: int = 10) -> dict:
     x_train, y_train = train.put_train_data(run)
     step_kwargs = train.step_arguments(config, run)
     replicated = parallel.replicated(run.mesh)
-    order, augment_key = train.epoch_order_fn(run)(run.data_key, np.int32(0))
+    order = train.epoch_order_fn(len(x_train), step_kwargs, replicated)(run.data_key, np.int32(0))
 
     start = time.perf_counter()
     step_fn = jax.jit(functools.partial(train.train_step_at, **step_kwargs), donate_argnums=0,
                       out_shardings=replicated)
-    compiled = step_fn.lower(run.state, np.int32(0), x_train, y_train, order, augment_key).compile()
+    compiled = step_fn.lower(run.state, np.int32(0), x_train, y_train, *order).compile()
     compile_seconds = time.perf_counter() - start
     text = compiled.as_text()
     analysis = cost(compiled)
@@ -82,12 +96,12 @@ def inspect(config, steps: int = 10) -> dict:
     # Time the loop training would use: a lax.scan chunk, or one call per step.
     loop = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
     steps = max(1, min(steps, run.steps_per_epoch))
-    run_chunk = train.compile_chunks(loop, run.state, x_train, y_train, (order, augment_key),
+    run_chunk = train.compile_chunks(loop, run.state, x_train, y_train, run.data_key,
                                      {steps}, step_kwargs, replicated)
     state = jax.tree.map(jnp.copy, run.state)  # the step donates its input
-    state, _ = jax.block_until_ready(run_chunk(state, order, augment_key, 0, steps))  # warm-up
+    state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))  # warm-up
     start = time.perf_counter()
-    jax.block_until_ready(run_chunk(state, order, augment_key, 0, steps))
+    jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))
     step_seconds = (time.perf_counter() - start) / steps
 
     devices = run.mesh.size
@@ -143,21 +157,22 @@ def print_inspection(info: dict, config_name: str, stream=sys.stdout) -> None:
 # ---------------------------------------------------------------- the speedrun
 
 def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, state_sharding,
-              stem_kernel, steps_per_epoch, total_steps, step_kwargs, eval_kwargs):
+              whiten, steps_per_epoch, total_steps, step_kwargs, eval_kwargs):
     """One run from its seed to its test metrics: the body of the benchmark's one program.
 
-    Seeds derive keys exactly as train.setup does, so a run here is the run
-    `python main.py` makes with the same config and seed.
+    Seeds derive keys exactly as train.setup does, and a whitened stem's filters
+    come from the same function (`whiten`, train.whitening_fn, or None) computed
+    here, inside the timed program, as the public speedruns count it; so a run
+    here is the run `python main.py` makes with the same config and seed.
     """
     init_key, data_key = jax.random.split(jax.random.key(seed))
+    stem_kernel = None if whiten is None else whiten(x_train[:models.WHITENING_IMAGES])
     state = train.create_train_state(init_key, model, tx, image_shape, state_sharding,
                                      stem_kernel)
-    num_examples = x_train.shape[0]
 
     def epoch(state, index, num_steps):
-        order, augment_key = train.epoch_order(data_key, index, num_examples)
-        return train.train_chunk(state, x_train, y_train, order, augment_key, 0,
-                                 num_steps=num_steps, **step_kwargs)
+        return train.train_epoch_chunk(state, x_train, y_train, data_key, index, 0,
+                                       num_steps=num_steps, **step_kwargs)
 
     full_epochs, tail_steps = divmod(total_steps, steps_per_epoch)
     state, summaries = jax.lax.scan(functools.partial(epoch, num_steps=steps_per_epoch), state,
@@ -172,25 +187,51 @@ def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, st
             "train_loss": train_loss, "nonfinite_steps": nonfinite}
 
 
-def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.stdout) -> dict:
-    """`runs` timed runs with seeds first_seed, first_seed + 1, ... (default config.seed)."""
-    run = train.setup(config, abstract_state=True)  # each run initialises in its program
-    train.check_batch_split(config.train.batch_size, run.mesh)
+class UsageError(ValueError):
+    """A flag value this run cannot honour; the message names the flag."""
+
+
+def select_devices(count: int) -> list:
+    """The first `count` devices: a benchmark's device count is part of its result."""
+    available = jax.devices()
+    if not 1 <= count <= len(available):
+        raise UsageError(f"--devices={count}: must be from 1 to {len(available)}, the number of "
+                         f"{jax.default_backend()} devices available")
+    if jax.process_count() > 1 and count != len(available):
+        # A mesh without some process's devices leaves that process nothing to run.
+        raise UsageError(f"--devices={count}: a multi-process run uses every device; pass "
+                         f"--devices={len(available)} ({jax.process_count()} processes)")
+    return available[:count]
+
+
+def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int = 1,
+              stream=sys.stdout) -> dict:
+    """`runs` timed runs with seeds first_seed, first_seed + 1, ... (default config.seed),
+    on the first `devices` devices."""
+    mesh = parallel.create_mesh(select_devices(devices))
+    train.check_batch_split(config.train.batch_size, mesh)  # before loading any data
+    run = train.setup(config, mesh, abstract_state=True)  # each run initialises in its program
     x_train, y_train = train.put_train_data(run)
     eval_arrays = train.put_eval_data(config, run)
     replicated = parallel.replicated(run.mesh)
     program = jax.jit(functools.partial(
         whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
-        state_sharding=replicated, stem_kernel=run.stem_kernel,
+        state_sharding=replicated,
+        whiten=(train.whitening_fn(config, run.mean, run.std)
+                if models.has_whitened_stem(config.model) else None),
         steps_per_epoch=run.steps_per_epoch,
         total_steps=run.total_steps, step_kwargs=train.step_arguments(config, run),
         eval_kwargs=train.eval_arguments(config, run)), out_shardings=replicated)
     start = time.perf_counter()
-    program = program.lower(np.int32(0), x_train, y_train, eval_arrays).compile()
+    lowered = program.lower(np.int32(0), x_train, y_train, eval_arrays)
+    # Tracing and lowering: the part of compile_seconds a compilation cache cannot skip.
+    lower_seconds = time.perf_counter() - start
+    program = lowered.compile()
     compile_seconds = time.perf_counter() - start
+    device_kind, backend = mesh.devices.flat[0].device_kind, jax.default_backend()
     print(f"{config.model.name}, {run.total_steps} steps of batch {config.train.batch_size} "
           f"({run.total_steps / run.steps_per_epoch:g} epochs), {config.train.precision}, "
-          f"tta={config.eval.tta}, {run.mesh.size} x {jax.devices()[0].device_kind}; "
+          f"tta={config.eval.tta}, {mesh.size} x {device_kind} ({backend} backend); "
           f"compile {compile_seconds:.2f} s", file=stream, flush=True)
 
     first_seed = config.seed if first_seed is None else first_seed
@@ -215,8 +256,10 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.st
     process_seconds = time.time() - PROCESS_START
     summary = {
         "config": config.to_dict(), "runs": results, "warmup_runs": warmup,
-        "compile_seconds": compile_seconds, "process_seconds": process_seconds,
-        "device_kind": jax.devices()[0].device_kind, "devices": run.mesh.size,
+        "compile_seconds": compile_seconds, "lower_seconds": lower_seconds,
+        "process_seconds": process_seconds,
+        "backend": backend, "device_kind": device_kind, "devices": mesh.size,
+        "compilation_cache": jax.config.jax_compilation_cache_dir,
         "dataset": run.dataset.origin, "jax_version": jax.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -237,6 +280,98 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, stream=sys.st
     return summary
 
 
+# ---------------------------------------------------------------- cold and warm
+
+class ChildFailed(RuntimeError):
+    """A --whole_process child exited non-zero; the message carries its last error line."""
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Keeps every compiled program in `directory`. Must run before the first compilation:
+    JAX reads these settings once, when it first compiles."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--compilation_cache={directory}: not a folder")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--compilation_cache={directory}: cannot create it "
+                         f"({error.strerror or error})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"--compilation_cache={directory}: not writable")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    # JAX's defaults skip programs that compile in under a second; a warm start needs all.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def count_files(directory: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(directory))
+
+
+def run_child(name: str, command: list, scratch: str, stream) -> None:
+    """Runs `command`, copying its stdout to `stream` as it comes (a speedrun's compile
+    takes a while); its stderr is kept aside for the one-line error if it fails."""
+    with open(os.path.join(scratch, f"{name}.stderr"), "w+") as errors:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True) as child:
+            for line in child.stdout:
+                stream.write(line)
+                stream.flush()
+        errors.seek(0)
+        error_text = errors.read()
+    if child.returncode:
+        lines = [line.strip() for line in error_text.splitlines() if line.strip()]
+        last = lines[-1].removeprefix("error: ") if lines else "no error output"
+        how = (f"killed by signal {-child.returncode}" if child.returncode < 0
+               else f"exit {child.returncode}")
+        raise ChildFailed(f"the {name} run failed ({how}): {last}")
+    sys.stderr.write(error_text)  # its warnings, if any
+
+
+def whole_process(args: list, cache_root=None, stream=sys.stdout) -> dict:
+    """Runs `python -m jaxtrain.bench *args` twice, cold then warm, sharing a persistent
+    compilation cache.
+
+    Each run is a new process because that is what a user's next command is: a
+    second run in this process would find its programs in memory and time nothing
+    a user gets. This process never touches a device, which stays free for them.
+    """
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-bench-") as scratch:
+        if cache_root:  # a fresh subfolder: emptying a folder the user named could lose data
+            try:
+                os.makedirs(cache_root, exist_ok=True)
+                cache = os.path.abspath(tempfile.mkdtemp(prefix="whole_process-", dir=cache_root))
+            except OSError as error:
+                raise UsageError(f"--compilation_cache={cache_root}: cannot create a folder "
+                                 f"there ({error.strerror or error})") from None
+        else:
+            cache = os.path.join(scratch, "compilation_cache")
+        summaries, cache_files = {}, {}
+        for name in ("cold", "warm"):
+            print(f"{name} process: compilation cache {cache} ({count_files(cache)} files)",
+                  file=stream, flush=True)
+            path = os.path.join(scratch, f"{name}.json")
+            # Later flags win: these override any in args (or in a --flagfile there).
+            run_child(name, [sys.executable, "-m", "jaxtrain.bench", *args, "--nowhole_process",
+                             f"--compilation_cache={cache}", f"--json={path}"], scratch, stream)
+            with open(path) as f:
+                summaries[name] = json.load(f)
+            cache_files[name] = count_files(cache)
+    cold, warm = summaries["cold"], summaries["warm"]
+    print(f"whole process: cold {cold['process_seconds']:.1f} s (compile "
+          f"{cold['compile_seconds']:.1f} s), warm {warm['process_seconds']:.1f} s (compile "
+          f"{warm['compile_seconds']:.1f} s)", file=stream, flush=True)
+    return {
+        "cold": cold, "warm": warm,
+        "whole_process": {"cold_seconds": cold["process_seconds"],
+                          "cold_compile_seconds": cold["compile_seconds"],
+                          "warm_seconds": warm["process_seconds"],
+                          "warm_compile_seconds": warm["compile_seconds"]},
+        # Files in the cache after each run: the warm run should add none.
+        "cache_files": cache_files,
+        "compilation_cache": cache if cache_root else None,  # None: removed with the run
+    }
+
+
 def main(argv):
     from absl import flags
     from absl import logging
@@ -246,18 +381,31 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments: {' '.join(argv[1:])}")
+    distributed = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     try:
-        parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-        if FLAGS.inspect:
-            result = inspect(FLAGS.config, FLAGS.steps)
-            if parallel.is_main_process():
-                print_inspection(result, config_flags.get_config_filename(FLAGS["config"]))
+        if FLAGS.inspect and (FLAGS["devices"].present or FLAGS.whole_process):
+            raise UsageError("--devices and --whole_process are for the benchmark; --inspect "
+                             "compiles for every device")
+        if FLAGS.whole_process:
+            if parallel.distributed_settings(*distributed) is not None:
+                raise UsageError("--whole_process runs single-process benchmarks only")
+            result = whole_process(sys.argv[1:], FLAGS.compilation_cache)
         else:
-            result = benchmark(FLAGS.config, FLAGS.runs, FLAGS.warmup, FLAGS.seed)
-    except (data.DataError, train.ConfigError, train.TrainingError,
-            parallel.DistributedError) as error:
+            if FLAGS.compilation_cache:
+                enable_compilation_cache(FLAGS.compilation_cache)
+            parallel.initialize(*distributed)
+            if FLAGS.inspect:
+                result = inspect(FLAGS.config, FLAGS.steps)
+                if parallel.is_main_process():
+                    print_inspection(result, config_flags.get_config_filename(FLAGS["config"]))
+            else:
+                result = benchmark(FLAGS.config, FLAGS.runs, FLAGS.warmup, FLAGS.seed,
+                                   FLAGS.devices)
+    except (data.DataError, train.ConfigError, train.TrainingError, parallel.DistributedError,
+            UsageError, ChildFailed) as error:
         sys.exit(f"error: {error}")
-    if FLAGS.json and parallel.is_main_process():
+    # (--whole_process: this process asks no device anything, not even its process index)
+    if FLAGS.json and (FLAGS.whole_process or parallel.is_main_process()):
         report.write_json_atomically(FLAGS.json, result)
 
 
@@ -267,12 +415,21 @@ def define_flags():
 
     config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
                                     lock_config=True)
-    flags.DEFINE_integer("runs", 10, "Timed runs, seeds --seed, --seed + 1, ...; 0: compile only.")
-    flags.DEFINE_integer("warmup", 1, "Untimed runs before the timed ones (same program).")
+    flags.DEFINE_integer("runs", 10, "Timed runs, seeds --seed, --seed + 1, ...; 0: compile only.",
+                         lower_bound=0)
+    flags.DEFINE_integer("warmup", 1, "Untimed runs before the timed ones (same program).",
+                         lower_bound=0)
     flags.DEFINE_integer("seed", None, "First seed (default: config.seed).")
+    flags.DEFINE_integer("devices", 1, "Benchmark on the first N devices (the public records "
+                         "use one GPU).")
+    flags.DEFINE_string("compilation_cache", None, "Keep compiled programs in this folder "
+                        "(JAX's persistent compilation cache), for later processes to reuse.")
+    flags.DEFINE_bool("whole_process", False, "Run the benchmark twice in new processes, with "
+                      "an empty compilation cache and then the one the first run wrote, and "
+                      "report both whole-process times.")
     flags.DEFINE_bool("inspect", False, "Report XLA kernels, FLOPs and speed of one train "
                       "step instead of benchmarking.")
-    flags.DEFINE_integer("steps", 10, "--inspect: steps to time.")
+    flags.DEFINE_integer("steps", 10, "--inspect: steps to time.", lower_bound=1)
     flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
     flags.DEFINE_string("coordinator_address", None, "Multi-process runs, as in main.py.")
     flags.DEFINE_integer("num_processes", None, "Multi-process runs, as in main.py.")

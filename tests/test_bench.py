@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,3 +121,67 @@ def test_runs_zero_compiles_only(cifar_batches_dir):
     assert result["runs"] == [] and "accuracy_mean" not in result
     assert 0 < result["compile_seconds"] < result["process_seconds"]
     assert out.getvalue().splitlines()[-1].startswith("compile ")
+
+
+# ---------------------------------------------------------------- devices, cache, whole process
+
+TWO_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def bench_args(data_dir, *args):
+    """The MLP benchmark at its cheapest: one timed run of 10 steps, no warm-up."""
+    return ["-m", "jaxtrain.bench", *MLP_OVERRIDES, f"--config.data.dir={data_dir}",
+            "--config.train.num_steps=10", "--runs=1", "--warmup=0", *args]
+
+
+def test_devices_picks_the_first_n_and_defaults_to_one(cifar_batches_dir, tmp_path):
+    """One device unless asked, even when more exist: the public records are single-GPU."""
+    for flags, devices in (((), 1), (("--devices=2", f"--compilation_cache={tmp_path / 'c'}"), 2)):
+        path = tmp_path / f"{devices}.json"
+        result = run(bench_args(cifar_batches_dir, *flags, f"--json={path}"), env=TWO_CPUS)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f", {devices} x cpu (cpu backend); compile" in result.stdout.splitlines()[0]
+        summary = json.loads(path.read_text())
+        assert (summary["devices"], summary["backend"], summary["device_kind"]) == (
+            devices, "cpu", "cpu")
+    assert summary["compilation_cache"] == str(tmp_path / "c")
+    assert any(name.startswith("jit_whole_run-") for name in os.listdir(tmp_path / "c"))
+
+
+def test_bad_devices_and_flag_values_are_one_line_errors(cifar_batches_dir):
+    for flag, message in (
+            ("--devices=3", "error: --devices=3: must be from 1 to 2, the number of cpu devices "
+                            "available"),
+            ("--devices=0", "error: --devices=0: must be from 1 to 2"),
+            ("--runs=-1", "error: flag --runs=-1: -1 is not a non-negative integer"),
+            # The parent hands the flags on; the child's one-line error comes back as one line.
+            ("--whole_process --devices=3", "error: the cold run failed (exit 1): --devices=3: "
+                                            "must be from 1 to 2")):
+        result = run(bench_args(cifar_batches_dir, *flag.split()), env=TWO_CPUS)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1].startswith(message)
+
+
+def test_whole_process_compiles_warm_from_the_cache_the_cold_run_wrote(cifar_batches_dir,
+                                                                        tmp_path):
+    path, root = tmp_path / "whole.json", tmp_path / "cache"
+    root.mkdir()
+    (root / "keep.txt").write_text("a user's file")  # a named folder is never emptied
+    result = run(bench_args(cifar_batches_dir, "--whole_process", f"--compilation_cache={root}",
+                            f"--json={path}"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("\nrun 1/1") == 2
+    assert re.fullmatch(r"whole process: cold \d+\.\d s \(compile \d+\.\d s\), "
+                        r"warm \d+\.\d s \(compile \d+\.\d s\)", result.stdout.splitlines()[-1])
+    summary = json.loads(path.read_text())
+    cache = Path(summary["compilation_cache"])
+    assert cache.parent == root and (root / "keep.txt").exists()
+    cold, warm = summary["cold"], summary["warm"]
+    assert cold["compilation_cache"] == warm["compilation_cache"] == str(cache)
+    # The cold run filled the cache; the warm run found every program there and added none.
+    assert summary["cache_files"]["cold"] == summary["cache_files"]["warm"] == len(
+        os.listdir(cache)) > 0
+    figures = summary["whole_process"]
+    assert figures["cold_seconds"] == cold["process_seconds"]
+    assert figures["warm_compile_seconds"] < figures["cold_compile_seconds"]
+    assert warm["runs"][0]["test_accuracy"] == cold["runs"][0]["test_accuracy"]  # same program
