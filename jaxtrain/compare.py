@@ -59,6 +59,30 @@ def learning_rates(opt, total_steps: int) -> list[float]:
 
 # ---------------------------------------------------------------- PyTorch recipe
 
+def torch_augment(config) -> dict:
+    """The augment block as the torch twins take it (alternate_flip is refused before)."""
+    return {k: v for k, v in config.augment.to_dict().items() if k != "alternate_flip"}
+
+
+def torch_unsupported(config) -> list[str]:
+    """Config settings the PyTorch twins do not reproduce yet (config keys, with values)."""
+    model, opt = config.model, config.optimizer
+    defaults = {"model.activation": (model.activation, "gelu_tanh"),
+                "model.conv_init": (model.conv_init, "default"),
+                "model.bn_epsilon": (model.bn_epsilon, 1e-5),
+                "model.head_init_std": (model.head_init_std, 0.0),
+                "optimizer.renormalize": (opt.renormalize, False),
+                "optimizer.lookahead_steps": (opt.lookahead_steps, 0),
+                "augment.alternate_flip": (config.augment.alternate_flip, False),
+                "eval.tta_fraction": (config.eval.tta_fraction, 1.0)}
+    found = [f"{key}={value!r}" for key, (value, default) in defaults.items() if value != default]
+    if opt.name == "muon":
+        found.append("optimizer.name='muon'")
+    if len(opt.groups):
+        found.append("optimizer.groups (" + ", ".join(opt.groups.keys()) + ")")
+    return found
+
+
 def create_torch_optimizer(opt, model):
     """optax's SGD/Adam with coupled weight decay are torch's SGD/Adam(weight_decay);
     optax.adamw is torch's AdamW. The learning rate is set every step (torch_step)."""
@@ -92,7 +116,7 @@ def torch_recipe(config, dataset, device, stem_kernel=None):
         # jaxtrain's fixed whitening stem (train.setup's; HWIO -> OIHW), never trained
         stem = model[0]
         with torch.no_grad():
-            stem.weight.copy_(torch.from_numpy(stem_kernel.transpose(3, 2, 0, 1)))
+            stem.weight.copy_(torch.from_numpy(np.array(stem_kernel).transpose(3, 2, 0, 1)))
         stem.weight.requires_grad_(False)
     model = model.to(device)
     optimizer = create_torch_optimizer(config.optimizer, model)
@@ -223,7 +247,7 @@ def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=
     model, optimizer, criterion = torch_recipe(config, dataset, device, stem_kernel)
     batch_size = config.train.batch_size
     transform = functools.partial(torch_models.article_transform,
-                                  augment=config.augment.to_dict(), mean=mean, std=std)
+                                  augment=torch_augment(config), mean=mean, std=std)
     trainloader = torch.utils.data.DataLoader(
         ArticleDataset(dataset.x_train, dataset.y_train, transform), batch_size=batch_size,
         shuffle=True, num_workers=2, drop_last=True)
@@ -280,7 +304,7 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     y_train = torch.from_numpy(dataset.y_train).long().to(device)
     x_test = torch.from_numpy(dataset.x_test).to(device)
     y_test = torch.from_numpy(dataset.y_test).long().to(device)
-    augment = config.augment.to_dict()
+    augment = torch_augment(config)
     bfloat16 = config.train.precision == "bfloat16"
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
     rates = learning_rates(config.optimizer, total_steps)
@@ -406,6 +430,10 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
         raise CompareError(f"unknown framework(s) {', '.join(unknown) or '(none given)'}; "
                            f"choose from: {', '.join(FRAMEWORKS)}")
     if any(f != "jax" for f in frameworks):
+        unsupported = torch_unsupported(config)
+        if unsupported:
+            raise CompareError("the PyTorch twins do not implement " + "; ".join(unsupported)
+                               + ": run --frameworks=jax, or compare a recipe without them")
         import_torch()  # fail before any training when torch is missing
     setup = train.setup(config)  # checks the config, loads the data, builds the Flax model
     dataset, mean, std, total_steps = setup.dataset, setup.mean, setup.std, setup.total_steps
