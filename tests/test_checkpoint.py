@@ -16,6 +16,7 @@ import pytest
 import jaxtrain
 from configs import cifar_seed_cnn
 from jaxtrain import checkpoint, report, train
+from overrides import with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,10 +34,7 @@ def small_config(data_dir, **overrides):
     config.train.log_every_steps = 10
     config.checkpoint.every_steps = 10
     config.eval.batch_size = 250
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        config[section][name] = value
-    return config
+    return with_overrides(config, overrides)
 
 
 def steps_saved(workdir):

@@ -15,6 +15,7 @@ import torch  # in requirements.txt: these tests must run, not skip
 
 from configs import cifar, cifar_seed_cnn, default  # noqa: E402
 from jaxtrain import augment, compare, data, models, optim, torch_models, train  # noqa: E402
+from overrides import with_overrides  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,10 +27,7 @@ def seed_config(data_dir, **overrides):
     config.train.batch_size = 50
     config.train.num_steps = 20
     config.eval.batch_size = 200  # 500 test images: the last batch is short
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        config[section][name] = value
-    return config
+    return with_overrides(config, overrides)
 
 
 def model_config(name, **overrides):

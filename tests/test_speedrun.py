@@ -7,6 +7,7 @@ import pytest
 
 from configs import cifar_speedrun
 from jaxtrain import bench, train
+from overrides import with_overrides
 
 SEED = 3
 
@@ -25,10 +26,7 @@ def narrow_speedrun(data_dir, **overrides):
     config.optimizer.groups.stem_bias.train_steps = 15
     config.eval.batch_size, config.eval.tta_fraction = 250, 0.5
     config.seed = SEED
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        config[section][name] = value
-    return config
+    return with_overrides(config, overrides)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 from configs import cifar, cifar_seed_cnn, default
 import jaxtrain
 from jaxtrain import TrainingError, augment, data, report, train
+from overrides import with_overrides
 
 
 def small_config(data_dir, base=cifar, **overrides):
@@ -25,10 +26,7 @@ def small_config(data_dir, base=cifar, **overrides):
     config.train.num_epochs = 4
     config.eval.batch_size = 200  # 500 test images: the last batch is padded
     config.eval.tta = "flip"
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        config[section][name] = value
-    return config
+    return with_overrides(config, overrides)
 
 
 @pytest.fixture(scope="module")
