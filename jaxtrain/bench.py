@@ -2,7 +2,7 @@
 
     python -m jaxtrain.bench --config=configs/cifar_speedrun.py --runs=10 [--json=FILE]
         [--devices=N] [--compilation_cache=DIR] [--whole_process]
-    python -m jaxtrain.bench --config=configs/cifar.py --inspect [--json=FILE]
+    python -m jaxtrain.bench --config=configs/cifar.py --inspect [--profile=DIR] [--json=FILE]
 
 The benchmark times what the public PyTorch speedruns time: from the first
 training step to the final test accuracy, data already on the device,
@@ -24,7 +24,8 @@ temporary folder, removed at the end.
 The inspection report compiles one training step of any config and reads what
 XLA made of it: kernels launched (fusions, library calls, copies, collectives),
 FLOPs and bytes from XLA's cost analysis, then times the step to give achieved
-TFLOP/s and the fraction of the device's bfloat16 peak.
+TFLOP/s and the fraction of the device's bfloat16 peak. --profile=DIR adds a
+jax.profiler trace of those steps and the ten XLA ops that took the most time.
 """
 import os
 import time
@@ -54,7 +55,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain import data, hlo, models, parallel, report, train  # noqa: E402
+from jaxtrain import data, hlo, models, parallel, profile, report, train  # noqa: E402
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets,
 # matched against jax's device_kind; the first match wins.
@@ -76,8 +77,10 @@ def cost(compiled) -> dict:
 
 # ---------------------------------------------------------------- inspection
 
-def inspect(config, steps: int = 10) -> dict:
-    """Compiles one train step of `config`, reports its kernels, FLOPs and speed."""
+def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
+    """Compiles one train step of `config`, reports its kernels, FLOPs and speed; with
+    `profile_dir`, also traces one more chunk of `steps` steps there and lists the XLA ops
+    that took the most time."""
     run = train.setup(config)
     train.check_batch_split(config.train.batch_size, run.mesh)
     x_train, y_train = train.put_train_data(run)
@@ -101,8 +104,14 @@ def inspect(config, steps: int = 10) -> dict:
     state = jax.tree.map(jnp.copy, run.state)  # the step donates its input
     state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))  # warm-up
     start = time.perf_counter()
-    jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))
+    state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))
     step_seconds = (time.perf_counter() - start) / steps
+    ops = None
+    if profile_dir:
+        path, _ = profile.trace(
+            lambda: jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps)),
+            profile_dir)
+        ops = profile.op_table(path, steps, step_seconds=step_seconds)
 
     devices = run.mesh.size
     flops = float(analysis.get("flops", 0.0))  # per device
@@ -124,8 +133,9 @@ def inspect(config, steps: int = 10) -> dict:
         "achieved_tflops_per_device": achieved,
         "peak_bf16_tflops_per_device": peak,
         "fraction_of_peak": achieved / peak if peak else None,
-        "collectives_per_step": {kind: {"ops": ops, "bytes": size} for kind, (ops, size)
+        "collectives_per_step": {kind: {"ops": count, "bytes": size} for kind, (count, size)
                                  in hlo.collective_traffic(text).items()},
+        "profile": ops,
     }
 
 
@@ -152,6 +162,9 @@ def print_inspection(info: dict, config_name: str, stream=sys.stdout) -> None:
     for kind, traffic in info["collectives_per_step"].items():
         line(f"  {kind + ' per step:':<27}{traffic['ops']} ops, "
              f"{traffic['bytes'] / 1e6:.2f} MB per device")
+    if info.get("profile"):
+        line(f"  profile:                   {os.path.dirname(info['profile']['trace'])}")
+        line(profile.format_op_table(info["profile"]))
 
 
 # ---------------------------------------------------------------- the speedrun
@@ -386,6 +399,8 @@ def main(argv):
         if FLAGS.inspect and (FLAGS["devices"].present or FLAGS.whole_process):
             raise UsageError("--devices and --whole_process are for the benchmark; --inspect "
                              "compiles for every device")
+        if FLAGS.profile and not FLAGS.inspect:
+            raise UsageError("--profile traces the steps --inspect compiles; add --inspect")
         if FLAGS.whole_process:
             if parallel.distributed_settings(*distributed) is not None:
                 raise UsageError("--whole_process runs single-process benchmarks only")
@@ -395,7 +410,7 @@ def main(argv):
                 enable_compilation_cache(FLAGS.compilation_cache)
             parallel.initialize(*distributed)
             if FLAGS.inspect:
-                result = inspect(FLAGS.config, FLAGS.steps)
+                result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile)
                 if parallel.is_main_process():
                     print_inspection(result, config_flags.get_config_filename(FLAGS["config"]))
             else:
@@ -430,6 +445,9 @@ def define_flags():
     flags.DEFINE_bool("inspect", False, "Report XLA kernels, FLOPs and speed of one train "
                       "step instead of benchmarking.")
     flags.DEFINE_integer("steps", 10, "--inspect: steps to time.", lower_bound=1)
+    flags.DEFINE_string("profile", None, "--inspect: also trace one chunk of --steps steps "
+                        "with jax.profiler into this folder (TensorBoard, Perfetto) and list "
+                        "the ten XLA ops that took the most time.")
     flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
     flags.DEFINE_string("coordinator_address", None, "Multi-process runs, as in main.py.")
     flags.DEFINE_integer("num_processes", None, "Multi-process runs, as in main.py.")

@@ -78,9 +78,9 @@ def test_a_diverging_recipe_is_reported_not_averaged(cifar_batches_dir):
     assert "Traceback" not in result.stderr and "2 runs:" not in result.stdout
 
 
-def test_inspect_reports_kernels_flops_and_speed(cifar_batches_dir):
+def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches_dir, tmp_path):
     config = mlp_config(cifar_batches_dir)
-    info = bench.inspect(config, steps=3)
+    info = bench.inspect(config, steps=3, profile_dir=str(tmp_path / "profile"))
     forward = 2 * (32 * 32 * 3 * 64 + 64 * 32 + 32 * 10)  # multiply-adds of the dense layers
     # backward: weight gradients of every layer (1x forward) and input gradients of all
     # but the first (whose input is the data): about 2.1x forward in all, plus elementwise
@@ -89,9 +89,23 @@ def test_inspect_reports_kernels_flops_and_speed(cifar_batches_dir):
     assert info["kernels"].get("dot", 0) + info["kernels"].get("fusion", 0) > 0
     assert info["step_seconds"] > 0 and info["loop"] == "scan"
     assert info["collectives_per_step"] == {}  # one device
+    # The profile: a trace TensorBoard can open, and the ops read back from it, costliest first.
+    table = info["profile"]
+    assert table["trace"].endswith(".xplane.pb") and os.path.getsize(table["trace"]) > 0
+    assert table["trace"].startswith(str(tmp_path / "profile" / "plugins" / "profile"))
+    assert table["traced_steps"] == 3 and table["distinct_ops"] >= len(table["top_ops"]) > 0
+    assert len(table["top_ops"]) <= 10
+    per_step = [row["seconds_per_step"] for row in table["top_ops"]]
+    assert per_step == sorted(per_step, reverse=True) and per_step[-1] > 0
+    assert 0 < sum(row["share_of_op_time"] for row in table["top_ops"]) <= 1 + 1e-9
+    assert all(row["share_of_step"] > 0 for row in table["top_ops"])
+    # The MLP's matrix products run as dot ops (or fusions holding them); they must show.
+    assert any("dot" in row["op"] or "fusion" in row["op"] for row in table["top_ops"])
     out = io.StringIO()
     bench.print_inspection(info, "configs/x.py", out)
     assert "XLA kernels per step:" in out.getvalue() and "TFLOP/s" in out.getvalue()
+    assert f"top {len(table['top_ops'])} of {table['distinct_ops']} XLA ops" in out.getvalue()
+    assert table["top_ops"][0]["op"] in out.getvalue()
 
 
 def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_dir, tmp_path):
@@ -154,6 +168,7 @@ def test_bad_devices_and_flag_values_are_one_line_errors(cifar_batches_dir):
                             "available"),
             ("--devices=0", "error: --devices=0: must be from 1 to 2"),
             ("--runs=-1", "error: flag --runs=-1: -1 is not a non-negative integer"),
+            ("--profile=p", "error: --profile traces the steps --inspect compiles; add --inspect"),
             # The parent hands the flags on; the child's one-line error comes back as one line.
             ("--whole_process --devices=3", "error: the cold run failed (exit 1): --devices=3: "
                                             "must be from 1 to 2")):
@@ -185,3 +200,32 @@ def test_whole_process_compiles_warm_from_the_cache_the_cold_run_wrote(cifar_bat
     assert figures["cold_seconds"] == cold["process_seconds"]
     assert figures["warm_compile_seconds"] < figures["cold_compile_seconds"]
     assert warm["runs"][0]["test_accuracy"] == cold["runs"][0]["test_accuracy"]  # same program
+
+
+def test_a_gpu_trace_is_read_from_the_device_plane_s_xla_ops_line():
+    """No GPU here: a stand-in with a GPU trace's layout (host thunks, a device plane whose
+    "XLA Ops" line holds the ops, stream lines holding their kernels) must be read from
+    the device's op line only, so kernels and host events are not counted twice."""
+    from types import SimpleNamespace as Obj
+
+    from jaxtrain import profile
+
+    def event(name, ns, **stats):
+        return Obj(name=name, duration_ns=ns, stats=list(stats.items()))
+
+    host = Obj(name="/host:CPU", lines=[Obj(name="python", events=[
+        event("convolution.1", 9_000, hlo_op="convolution.1")])])
+    gpu = Obj(name="/device:GPU:0", lines=[
+        Obj(name="XLA Modules", events=[event("jit_step", 5_000)]),
+        Obj(name="XLA Ops", events=[event("convolution.1", 3_000), event("fusion.2", 1_000),
+                                    event("convolution.1", 3_000)]),
+        Obj(name="Stream #13(Compute)", events=[event("sm90_xmma_fprop", 3_000,
+                                                      hlo_op="convolution.1")])])
+    source, events = profile.op_events(Obj(planes=[host, gpu]))
+    assert source == "/device:GPU:0 XLA Ops"
+    assert [(op, name) for op, name, _ in sorted(events)] == [
+        ("convolution.1", "convolution.1")] * 2 + [("fusion.2", "fusion.2")]
+    assert [seconds for _, _, seconds in sorted(events)] == pytest.approx([3e-6, 3e-6, 1e-6])
+    source, events = profile.op_events(Obj(planes=[host]))
+    assert source == "/host:CPU thunks" and len(events) == 1
+    assert events[0][:2] == ("convolution.1", "convolution.1") and events[0][2] == pytest.approx(9e-6)

@@ -1,0 +1,105 @@
+"""Where a step's time goes: a jax.profiler trace and the XLA ops that cost the most.
+
+`trace` records a few executions of a compiled program into a folder that
+TensorBoard's profile plugin and Perfetto open; `op_table` reads the trace
+back (jax.profiler.ProfileData, no TensorBoard needed) and sums the time of
+every XLA op (a fusion, a library call such as a convolution, a copy, a
+collective) over the traced steps.
+
+On a GPU the times are the device's own: the "XLA Ops" line of the GPU plane
+(each op's kernels, as the GPU ran them). On a CPU they are the host threads'
+thunk times, which may overlap each other. Shares are of the summed op time,
+and of the step's wall time where the caller gives it.
+"""
+import collections
+import glob
+import os
+
+import jax
+
+DEVICE_PLANE_PREFIX = "/device:"
+HOST_PLANE = "/host:CPU"
+OPS_LINE = "XLA Ops"
+
+
+def trace(run, logdir: str, steps: int = 1):
+    """Calls `run()` (which must block until its device work is done) `steps` times under
+    jax.profiler; returns the newest .xplane.pb written into logdir and run()'s last result."""
+    os.makedirs(logdir, exist_ok=True)
+    result = None
+    with jax.profiler.trace(logdir):
+        for index in range(steps):
+            with jax.profiler.StepTraceAnnotation("step", step_num=index):
+                result = run()
+    return newest_trace(logdir), result
+
+
+def newest_trace(logdir: str) -> str:
+    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    if not paths:
+        raise FileNotFoundError(f"no profiler trace (*.xplane.pb) under {logdir}")
+    return max(paths, key=os.path.getmtime)
+
+
+def _stats(event) -> dict:
+    return dict(event.stats)
+
+
+def op_events(profile) -> tuple[str, list]:
+    """(where the times come from, [(op name, kernel or thunk name, seconds)]).
+
+    The first device plane with an "XLA Ops" line wins (a GPU's); without one,
+    the host's thunk events that name their HLO op (a CPU run)."""
+    for plane in profile.planes:
+        if not plane.name.startswith(DEVICE_PLANE_PREFIX):
+            continue
+        for line in plane.lines:
+            if line.name == OPS_LINE:
+                events = [(e.name, e.name, e.duration_ns * 1e-9) for e in line.events]
+                if events:
+                    return f"{plane.name} {OPS_LINE}", events
+    events = []
+    for plane in profile.planes:
+        if plane.name != HOST_PLANE:
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                op = _stats(event).get("hlo_op")
+                if op and not event.name.startswith("end:"):
+                    events.append((str(op), event.name, event.duration_ns * 1e-9))
+    return f"{HOST_PLANE} thunks", events
+
+
+def op_table(xplane_path: str, steps: int, top: int = 10, step_seconds: float | None = None):
+    """The `top` XLA ops by total time over the traced `steps`, each with its seconds per
+    step, its share of all op time and (given the step's wall time) of the step."""
+    profile = jax.profiler.ProfileData.from_file(xplane_path)
+    source, events = op_events(profile)
+    seconds, counts = collections.Counter(), collections.Counter()
+    for op, _, duration in events:
+        seconds[op] += duration
+        counts[op] += 1
+    total = sum(seconds.values())
+    ops = []
+    for op, op_seconds in seconds.most_common(top):
+        row = {"op": op, "seconds_per_step": op_seconds / steps,
+               "calls_per_step": counts[op] / steps,
+               "share_of_op_time": op_seconds / total if total else 0.0}
+        if step_seconds:
+            row["share_of_step"] = op_seconds / steps / step_seconds
+        ops.append(row)
+    return {"trace": xplane_path, "source": source, "traced_steps": steps,
+            "distinct_ops": len(seconds), "op_seconds_per_step": total / steps,
+            "step_seconds": step_seconds, "top_ops": ops}
+
+
+def format_op_table(table: dict) -> str:
+    lines = [f"  top {len(table['top_ops'])} of {table['distinct_ops']} XLA ops "
+             f"({table['source']}, {table['traced_steps']} traced steps, "
+             f"{table['op_seconds_per_step'] * 1e3:.3f} ms of op time per step):"]
+    for row in table["top_ops"]:
+        step = (f"  {row['share_of_step']:6.1%} of the step" if "share_of_step" in row else "")
+        lines.append(f"    {row['seconds_per_step'] * 1e3:9.3f} ms  "
+                     f"{row['share_of_op_time']:6.1%} of op time{step}  "
+                     f"x{row['calls_per_step']:g}  {row['op']}")
+    return "\n".join(lines)
