@@ -92,8 +92,10 @@ def test_tensorboard_and_plot_are_written(bf16_run):
 
 
 def test_same_seed_gives_the_same_run_and_another_seed_does_not(cifar_batches_dir, tmp_path):
-    def run(seed, name):
-        config = small_config(cifar_batches_dir, train__num_steps=15)
+    def run(seed, name):  # every random draw: init, order, flips and shifts
+        config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__batch_size=50,
+                              train__num_steps=15, model__batch_norm=True,
+                              augment__flip=True, augment__translate=2)
         config.seed = seed
         return train.train_and_evaluate(config, str(tmp_path / name))
 
