@@ -22,9 +22,8 @@ Run on the device (device tool: carry [".whl", ".data"], timeout_s=600):
 
     python3 benchmarks/h200.py --out=$OUT
 
-Until the PyTorch twins implement the record recipe (Muon, parameter groups,
-the alternating flip), compare_speedrun ends with compare's one-line refusal,
-recorded in h200.json, and the script goes on to the next item.
+An item that fails is recorded in h200.json (its status and the last lines of
+its output) and the script goes on to the next one.
 
 It installs the wheels in .whl (the image has jax, flax, optax, orbax and torch,
 not ml_collections or tensorboardX) into a private folder, decodes the CIFAR-10

@@ -11,8 +11,9 @@
   bfloat16 autocast when the config says bfloat16, torch.compile on CUDA.
 
 All three train the same architecture (parameter counts checked), with the same
-initialisation scheme, optimiser, schedule, batch size, number of examples,
-augmentation, label smoothing and evaluation, so the table compares frameworks.
+initialisation scheme, optimiser (jaxtrain/torch_optim.py: parameter groups and
+Muon included), schedule, batch size, number of examples, augmentation, label
+smoothing and evaluation, so the table compares frameworks.
 torch_article always trains in float32, as the article does. Writes
 compare.json and compare.png (test accuracy against seconds) into the workdir.
 torch is imported only when a torch framework runs.
@@ -50,65 +51,22 @@ def import_torch():
     return torch
 
 
-def learning_rates(opt, total_steps: int) -> list[float]:
-    """The learning rate of every step, from jaxtrain's own schedule."""
-    schedule = optim.create_schedule(opt, total_steps)
-    rates = np.broadcast_to(np.asarray(schedule(jnp.arange(total_steps))), (total_steps,))
-    return [float(rate) for rate in rates]
-
-
 # ---------------------------------------------------------------- PyTorch recipe
 
-def torch_augment(config) -> dict:
-    """The augment block as the torch twins take it (alternate_flip is refused before)."""
-    return {k: v for k, v in config.augment.to_dict().items() if k != "alternate_flip"}
-
-
 def torch_unsupported(config) -> list[str]:
-    """Config settings the PyTorch twins do not reproduce yet (config keys, with values)."""
-    model, opt = config.model, config.optimizer
-    defaults = {"model.activation": (model.activation, "gelu_tanh"),
-                "model.conv_init": (model.conv_init, "default"),
-                "model.bn_epsilon": (model.bn_epsilon, 1e-5),
-                "model.head_init_std": (model.head_init_std, 0.0),
-                "optimizer.renormalize": (opt.renormalize, False),
-                "optimizer.lookahead_steps": (opt.lookahead_steps, 0),
-                "augment.alternate_flip": (config.augment.alternate_flip, False),
-                "eval.tta_fraction": (config.eval.tta_fraction, 1.0)}
-    found = [f"{key}={value!r}" for key, (value, default) in defaults.items() if value != default]
-    if opt.name == "muon":
-        found.append("optimizer.name='muon'")
-    if len(opt.groups):
-        found.append("optimizer.groups (" + ", ".join(opt.groups.keys()) + ")")
-    return found
+    """Config settings the PyTorch twins do not reproduce (config keys, with values)."""
+    if config.optimizer.lookahead_steps:
+        return [f"optimizer.lookahead_steps={config.optimizer.lookahead_steps!r}"]
+    return []
 
 
-def create_torch_optimizer(opt, model):
-    """optax's SGD/Adam with coupled weight decay are torch's SGD/Adam(weight_decay);
-    optax.adamw is torch's AdamW. The learning rate is set every step (torch_step)."""
+def torch_recipe(config, dataset, device, total_steps: int, stem_kernel=None):
+    """The twin model (seeded by config.seed), its optimisers (torch_optim, with the
+    learning rates of total_steps steps) and the loss; `stem_kernel` (train.setup's,
+    for a whitened stem) fixes the stem's weights."""
     import torch
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    if opt.name == "sgd":
-        return torch.optim.SGD(params, lr=opt.learning_rate, momentum=opt.momentum,
-                               nesterov=opt.nesterov and opt.momentum > 0,
-                               weight_decay=opt.weight_decay)
-    if opt.name == "adam":
-        return torch.optim.Adam(params, lr=opt.learning_rate, betas=(opt.b1, opt.b2),
-                                eps=opt.eps, weight_decay=opt.weight_decay)
-    if opt.name == "adamw":
-        return torch.optim.AdamW(params, lr=opt.learning_rate, betas=(opt.b1, opt.b2),
-                                 eps=opt.eps, weight_decay=opt.weight_decay)
-    raise ValueError(f"unknown optimizer.name {opt.name!r}; choose one of: "
-                     + ", ".join(optim.OPTIMIZERS))
-
-
-def torch_recipe(config, dataset, device, stem_kernel=None):
-    """The twin model (seeded by config.seed), its optimiser and the loss; `stem_kernel`
-    (train.setup's, for a whitened stem) fixes the stem's weights."""
-    import torch
-
-    from jaxtrain import torch_models
+    from jaxtrain import torch_models, torch_optim
 
     torch.manual_seed(config.seed)
     model = torch_models.create_model(config.model, dataset.num_classes, dataset.image_shape)
@@ -119,16 +77,17 @@ def torch_recipe(config, dataset, device, stem_kernel=None):
             stem.weight.copy_(torch.from_numpy(np.array(stem_kernel).transpose(3, 2, 0, 1)))
         stem.weight.requires_grad_(False)
     model = model.to(device)
-    optimizer = create_torch_optimizer(config.optimizer, model)
+    optimizer = torch_optim.create_torch_optimizer(config.optimizer, model, total_steps)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
     return model, optimizer, criterion
 
 
-def torch_step(model, optimizer, criterion, inputs, labels, lr: float,
+def torch_step(model, optimizer, criterion, inputs, labels, step: int,
                autocast=contextlib.nullcontext()):
-    """One training step: this step's learning rate, forward, loss, backward, update."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    """Training step `step` (from 0): its learning rates, forward, loss, backward, update."""
+    from jaxtrain import torch_optim
+
+    torch_optim.set_step(optimizer, step)
     optimizer.zero_grad()
     with autocast:
         loss = criterion(model(inputs), labels)
@@ -138,27 +97,46 @@ def torch_step(model, optimizer, criterion, inputs, labels, lr: float,
 
 
 def torch_evaluate(model, batches, *, mean, std, tta, pad_mode, device,
-                   autocast=contextlib.nullcontext()):
+                   autocast=contextlib.nullcontext(), tta_images=None):
     """Test loss and accuracy with BatchNorm in eval mode and the config's TTA; batches
-    yield (images in [0, 1] or uint8, NCHW, labels)."""
+    yield (images in [0, 1] or uint8, NCHW, labels). tta_images (train.tta_image_count):
+    None = TTA on every image, k = only on the k least confident (train.eval_logits)."""
     import torch
 
     from jaxtrain import torch_models
 
+    def logits_of(images, mode):
+        views, weights = torch_models.tta_views(images.to(device), mode, pad_mode)
+        return sum(w * model(torch_models.normalize(v, mean, std)).float()
+                   for v, w in zip(views, weights))
+
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
     with torch.no_grad(), autocast:
-        for images, labels in batches:
-            images, labels = images.to(device), labels.to(device)
-            views, weights = torch_models.tta_views(images, tta, pad_mode)
-            logits = sum(w * model(torch_models.normalize(v, mean, std)).float()
-                         for v, w in zip(views, weights))
-            loss_sum += torch.nn.functional.cross_entropy(logits.float(), labels,
-                                                          reduction="sum")
-            correct += (logits.argmax(-1) == labels).sum()
-            count += len(labels)
+        if tta_images is None or tta == "none":
+            pairs = [(logits_of(images, tta), labels.to(device)) for images, labels in batches]
+            logits = torch.cat([p[0] for p in pairs])
+            labels = torch.cat([p[1] for p in pairs])
+        else:
+            batches = list(batches)
+            size = len(batches[0][0])  # the evaluation batch size
+            images, labels = (torch.cat(parts) for parts in zip(*batches))
+            logits = torch.cat([logits_of(images[i:i + size], "none")
+                                for i in range(0, len(images), size)])
+            labels = labels.to(device)
+            if tta_images:
+                confidence = torch.softmax(logits, -1).max(-1).values
+                picked = torch.argsort(confidence)[:tta_images].cpu()
+                logits[picked] = torch.cat([logits_of(images[picked[i:i + size]], tta)
+                                            for i in range(0, tta_images, size)])
     model.train()
-    return {"loss": float(loss_sum) / count, "accuracy": float(correct) / count}
+    loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+    correct = (logits.argmax(-1) == labels).sum()
+    return {"loss": float(loss) / len(labels), "accuracy": float(correct) / len(labels)}
+
+
+def tta_images(config, dataset):
+    """eval.tta_fraction as torch_evaluate's tta_images (train.tta_image_count)."""
+    return train.tta_image_count(config.eval.tta_fraction, len(dataset.x_test))
 
 
 def device_name(device) -> str:
@@ -176,16 +154,35 @@ def synchronize(device):
 
 
 class ArticleDataset:
-    """A map-style dataset over uint8 HWC arrays with a per-sample transform."""
+    """A map-style dataset over uint8 HWC arrays with a per-sample transform.
 
-    def __init__(self, images, labels, transform):
+    With `flips` (augment.alternate_flip: each image's first-epoch bit) the
+    transform also gets `mirror`, that bit flipped in odd epochs; set `epoch`
+    before each epoch's iterator is made (the workers copy the dataset then).
+    """
+
+    def __init__(self, images, labels, transform, flips=None):
         self.images, self.labels, self.transform = images, labels, transform
+        self.flips, self.epoch = flips, 0
 
     def __len__(self):
         return len(self.images)
 
     def __getitem__(self, index):
-        return self.transform(self.images[index]), int(self.labels[index])
+        if self.flips is None:
+            return self.transform(self.images[index]), int(self.labels[index])
+        mirror = bool(self.flips[index]) ^ (self.epoch % 2 == 1)
+        return self.transform(self.images[index], mirror=mirror), int(self.labels[index])
+
+
+def first_epoch_flips(config, num_examples: int):
+    """augment.alternate_flip's per-image bits for epoch 0 (torch's generator, seeded
+    by torch_recipe), or None without it; odd epochs flip them all (augment.py)."""
+    import torch
+
+    if not (config.augment.flip and config.augment.alternate_flip):
+        return None
+    return torch.rand(num_examples) < 0.5
 
 
 class Progress:
@@ -244,21 +241,22 @@ def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=
 
     start = time.perf_counter()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    model, optimizer, criterion = torch_recipe(config, dataset, device, stem_kernel)
+    model, optimizer, criterion = torch_recipe(config, dataset, device, total_steps,
+                                               stem_kernel)
     batch_size = config.train.batch_size
     transform = functools.partial(torch_models.article_transform,
-                                  augment=torch_augment(config), mean=mean, std=std)
-    trainloader = torch.utils.data.DataLoader(
-        ArticleDataset(dataset.x_train, dataset.y_train, transform), batch_size=batch_size,
-        shuffle=True, num_workers=2, drop_last=True)
+                                  augment=config.augment.to_dict(), mean=mean, std=std)
+    train_set = ArticleDataset(dataset.x_train, dataset.y_train, transform,
+                               first_epoch_flips(config, len(dataset.x_train)))
+    trainloader = torch.utils.data.DataLoader(train_set, batch_size=batch_size, shuffle=True,
+                                              num_workers=2, drop_last=True)
     # Normalize comes after the TTA views (in torch_evaluate): jaxtrain pads with black.
     testloader = torch.utils.data.DataLoader(
         ArticleDataset(dataset.x_test, dataset.y_test, torch_models.to_tensor),
         batch_size=config.eval.batch_size, shuffle=False, num_workers=2)
-    rates = learning_rates(config.optimizer, total_steps)
     evaluate = functools.partial(torch_evaluate, model, testloader, mean=mean, std=std,
                                  tta=config.eval.tta, pad_mode=config.augment.pad_mode,
-                                 device=device)
+                                 device=device, tta_images=tta_images(config, dataset))
     warmup_seconds = time.perf_counter() - start
 
     progress = Progress("torch_article", config, len(dataset.x_train) // batch_size,
@@ -268,9 +266,10 @@ def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=
         # JAX warns on every fork; the workers run only numpy and torch code, never JAX.
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         while step < total_steps:
+            train_set.epoch = step // progress.steps_per_epoch
             for inputs, labels in trainloader:
                 inputs, labels = inputs.to(device), labels.to(device)
-                loss = torch_step(model, optimizer, criterion, inputs, labels, rates[step])
+                loss = torch_step(model, optimizer, criterion, inputs, labels, step)
                 running_loss += loss.item()
                 running_steps += 1
                 step += 1
@@ -297,22 +296,25 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     torch_compile = device.type == "cuda" if torch_compile is None else torch_compile
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    model, optimizer, criterion = torch_recipe(config, dataset, device, stem_kernel)
+    model, optimizer, criterion = torch_recipe(config, dataset, device, total_steps,
+                                               stem_kernel)
+    flips = first_epoch_flips(config, len(dataset.x_train))
+    flips = None if flips is None else flips.to(device)
     model = model.to(memory_format=torch.channels_last)
     forward = torch.compile(model) if torch_compile else model
     x_train = torch.from_numpy(dataset.x_train).to(device)  # uint8 NHWC
     y_train = torch.from_numpy(dataset.y_train).long().to(device)
     x_test = torch.from_numpy(dataset.x_test).to(device)
     y_test = torch.from_numpy(dataset.y_test).long().to(device)
-    augment = torch_augment(config)
+    augment = config.augment.to_dict()
     bfloat16 = config.train.precision == "bfloat16"
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
-    rates = learning_rates(config.optimizer, total_steps)
     batch_size, eval_batch = config.train.batch_size, config.eval.batch_size
 
-    def batch(indices):
+    def batch(indices, epoch=0):
         images = x_train[indices].permute(0, 3, 1, 2)  # NCHW view, channels_last memory
-        images = torch_models.augment_batch(images, **augment)
+        mirror = None if flips is None else flips[indices] ^ (epoch % 2 == 1)
+        images = torch_models.augment_batch(images, mirror=mirror, **augment)
         inputs = torch_models.normalize(images, mean, std)
         return inputs.contiguous(memory_format=torch.channels_last), y_train[indices]
 
@@ -323,7 +325,7 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     def evaluate():
         return torch_evaluate(forward, test_batches(), mean=mean, std=std, tta=config.eval.tta,
                               pad_mode=config.augment.pad_mode, device=device,
-                              autocast=autocast)
+                              autocast=autocast, tta_images=tta_images(config, dataset))
 
     # Warm-up (compilation, cuDNN autotuning) without changing the run: forward and
     # backward on one batch and one evaluation batch, then the BatchNorm statistics
@@ -348,10 +350,10 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     loss_sum, loss_steps = torch.zeros((), device=device), 0
     while step < total_steps:
         order = torch.randperm(len(x_train), device=device)
+        epoch = step // steps_per_epoch
         for i in range(min(steps_per_epoch, total_steps - step)):
-            inputs, labels = batch(order[i * batch_size:(i + 1) * batch_size])
-            loss = torch_step(forward, optimizer, criterion, inputs, labels, rates[step],
-                              autocast)
+            inputs, labels = batch(order[i * batch_size:(i + 1) * batch_size], epoch)
+            loss = torch_step(forward, optimizer, criterion, inputs, labels, step, autocast)
             loss_sum += loss.detach().float()
             loss_steps += 1
             step += 1

@@ -8,9 +8,11 @@ The augmentations draw the same distributions as jaxtrain/augment.py and move
 the same pixels; they work on (N, C, H, W) batches of any dtype, so the same
 code serves per-sample transforms (a batch of one) and on-device batches.
 
-One difference stays: in training, torch BatchNorm updates its running
-variance with the unbiased batch variance (n / (n - 1) times Flax's). Only
-the evaluation of BatchNorm models sees it.
+Two differences stay: in training, torch BatchNorm updates its running
+variance with the unbiased batch variance (n / (n - 1) times Flax's), which only
+the evaluation of BatchNorm models sees; and where a max-pool window holds
+equal values (flat image regions), torch and XLA send its gradient to
+different, equally valid elements.
 """
 import math
 
@@ -33,17 +35,40 @@ class Scale(nn.Module):
         return f"scale={self.scale:g}"
 
 
-def batch_norm(features: int, flax_momentum: float, use_scale: bool = True, dims: int = 2):
-    """Flax BatchNorm(momentum=m) is torch momentum 1 - m (epsilon 1e-5 in both).
+def batch_norm(features: int, flax_momentum: float, use_scale: bool = True, dims: int = 2,
+               eps: float = 1e-5):
+    """Flax BatchNorm(momentum=m, epsilon=eps) is torch momentum 1 - m, the same eps.
 
     Flax's use_scale=False becomes a torch weight frozen at 1, so it neither
     trains nor counts as a parameter.
     """
-    bn = (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(features, eps=1e-5,
+    bn = (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(features, eps=eps,
                                                             momentum=1.0 - flax_momentum)
     if not use_scale:
         bn.weight.requires_grad_(False)
     return bn
+
+
+def activation(name: str) -> nn.Module:
+    """The twin of jaxtrain.models.activation_fn."""
+    layers = {"gelu_tanh": lambda: nn.GELU(approximate="tanh"), "gelu": nn.GELU,
+              "silu": nn.SiLU, "relu": nn.ReLU}
+    if name not in layers:
+        raise ValueError(f"unknown model.activation {name!r}; choose one of: "
+                         + ", ".join(layers))
+    return layers[name]()
+
+
+@torch.no_grad()
+def dirac_(conv: nn.Conv2d) -> nn.Conv2d:
+    """jaxtrain.models.dirac_kernel_init's identity: the first min(C_in, C_out) filters
+    pass their input channel through (centre tap 1, the rest 0); the others keep
+    their initialisation."""
+    out_channels, in_channels, height, width = conv.weight.shape
+    n = min(in_channels, out_channels)
+    conv.weight[:n] = 0
+    conv.weight[torch.arange(n), torch.arange(n), height // 2, width // 2] = 1
+    return conv
 
 
 def lecun_normal_(model: nn.Module) -> nn.Module:
@@ -83,21 +108,35 @@ def seed_cnn(num_classes: int, image_shape, use_batch_norm: bool = False) -> nn.
 
 
 def cifar_cnn(num_classes: int, image_shape, widths=(64, 256, 256), stem_width: int = 24,
-              bn_momentum: float = 0.6, head_scale: float = 1.0 / 9.0) -> nn.Sequential:
+              bn_momentum: float = 0.6, head_scale: float = 1.0 / 9.0,
+              activation_name: str = "gelu_tanh", conv_init: str = "default",
+              bn_epsilon: float = 1e-5, head_init_std: float = 0.0) -> nn.Sequential:
     """2x2 stem conv, three blocks (each an inner Sequential, Flax's ConvBlock), global
-    max-pool, bias-free head times head_scale; tanh-approximate GELU, as Flax's default."""
-    layers = [nn.Conv2d(image_shape[-1], stem_width, 2), nn.GELU(approximate="tanh")]
-    in_channels = stem_width
+    max-pool, bias-free head times head_scale; the options are CifarCNN's."""
+    if conv_init not in ("default", "dirac"):
+        raise ValueError(f"unknown model.conv_init {conv_init!r}; choose one of: default, dirac")
+    layers = [nn.Conv2d(image_shape[-1], stem_width, 2), activation(activation_name)]
+    in_channels, block_convs = stem_width, []
     for width in widths:
+        convs = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+                 nn.Conv2d(width, width, 3, padding=1, bias=False)]
         layers.append(nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.MaxPool2d(2),
-            batch_norm(width, bn_momentum, use_scale=False), nn.GELU(approximate="tanh"),
-            nn.Conv2d(width, width, 3, padding=1, bias=False),
-            batch_norm(width, bn_momentum, use_scale=False), nn.GELU(approximate="tanh")))
+            convs[0], nn.MaxPool2d(2),
+            batch_norm(width, bn_momentum, use_scale=False, eps=bn_epsilon),
+            activation(activation_name), convs[1],
+            batch_norm(width, bn_momentum, use_scale=False, eps=bn_epsilon),
+            activation(activation_name)))
+        block_convs += convs
         in_channels = width
-    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-               nn.Linear(in_channels, num_classes, bias=False), Scale(head_scale)]
-    return lecun_normal_(nn.Sequential(*layers))
+    head = nn.Linear(in_channels, num_classes, bias=False)
+    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), head, Scale(head_scale)]
+    model = lecun_normal_(nn.Sequential(*layers))
+    if conv_init == "dirac":
+        for conv in block_convs:
+            dirac_(conv)
+    if head_init_std > 0:
+        nn.init.normal_(head.weight, std=head_init_std)
+    return model
 
 
 def mlp(num_classes: int, image_shape, hidden_sizes=(256, 128, 100), use_batch_norm=True,
@@ -124,7 +163,11 @@ def create_model(model_config, num_classes: int, image_shape) -> nn.Sequential:
     if name == "cifar_cnn":
         return cifar_cnn(num_classes, image_shape, tuple(model_config.widths),
                          model_config.stem_width, model_config.bn_momentum,
-                         model_config.head_scale)
+                         model_config.head_scale,
+                         activation_name=model_config.get("activation", "gelu_tanh"),
+                         conv_init=model_config.get("conv_init", "default"),
+                         bn_epsilon=model_config.get("bn_epsilon", 1e-5),
+                         head_init_std=model_config.get("head_init_std", 0.0))
     if name == "mlp":
         return mlp(num_classes, image_shape, tuple(model_config.hidden_sizes),
                    model_config.batch_norm, model_config.dropout)
@@ -132,8 +175,9 @@ def create_model(model_config, num_classes: int, image_shape) -> nn.Sequential:
 
 
 def count_params(model: nn.Module) -> int:
-    """Trainable parameters, as jaxtrain.models.count_params counts Flax params."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """Parameters with a Flax counterpart, as jaxtrain.models.count_params counts Flax
+    params (a fixed whitened stem included, a BatchNorm weight frozen at 1 not)."""
+    return sum(p.numel() for p in flax_param_paths(model))
 
 
 # ---------------------------------------------------------------- Flax -> torch weights
@@ -182,6 +226,35 @@ def _copy(sequential, params, stats, x):
             flat_shape = tuple(x.shape[1:])
         x = layer(x)
     return x
+
+
+def flax_param_paths(sequential: nn.Sequential, prefix: str = "") -> dict:
+    """Each torch parameter's Flax path ('ConvBlock_0/Conv_1/kernel'), keyed by the
+    parameter: the names optimizer.groups' regular expressions match, in the Flax
+    order _copy follows. Frozen weights with a Flax counterpart (a whitened stem)
+    are in; a BatchNorm weight frozen at 1 (Flax's use_scale=False) has none."""
+    counts, paths = {}, {}
+
+    def next_name(kind):
+        counts[kind] = counts.get(kind, 0) + 1
+        return f"{prefix}{kind}_{counts[kind] - 1}"
+
+    for layer in sequential:
+        if isinstance(layer, nn.Sequential):
+            paths.update(flax_param_paths(layer, next_name("ConvBlock") + "/"))
+            continue
+        if isinstance(layer, nn.Conv2d):
+            name, weight = next_name("Conv"), "kernel"
+        elif isinstance(layer, nn.Linear):
+            name, weight = next_name("Dense"), "kernel"
+        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            name, weight = next_name("BatchNorm"), "scale" if layer.weight.requires_grad else None
+        else:
+            continue
+        for param, leaf in ((layer.weight, weight), (layer.bias, "bias")):
+            if param is not None and leaf is not None:
+                paths[param] = f"{name}/{leaf}"
+    return paths
 
 
 def load_flax_variables(model: nn.Sequential, variables, image_shape) -> nn.Sequential:
@@ -265,15 +338,21 @@ def rotated(images, degrees):
     return gather_pixels(images, src_rows, src_cols, inside)
 
 
-def augment_batch(images, *, flip: bool = False, translate: int = 0, rotate: float = 0.0,
-                  cutout: int = 0, pad_mode: str = "reflect"):
+def augment_batch(images, *, flip: bool = False, alternate_flip: bool = False,
+                  translate: int = 0, rotate: float = 0.0, cutout: int = 0,
+                  pad_mode: str = "reflect", mirror=None):
     """The `augment` config block on (N, C, H, W) images, each image drawn independently
-    from torch's generator, in jaxtrain's order: rotate, flip, translate, cutout."""
+    from torch's generator, in jaxtrain's order: rotate, flip, translate, cutout.
+    With alternate_flip, `mirror` (bool, one per image) says which images to mirror."""
     n, _, h, w = images.shape
     device = images.device
     if rotate:
         images = rotated(images, (torch.rand(n, device=device) * 2 - 1) * rotate)
-    if flip:
+    if flip and alternate_flip:
+        if mirror is None:
+            raise ValueError("augment.alternate_flip needs the batch's mirror bits")
+        images = torch.where(mirror.to(device)[:, None, None, None], mirrored(images), images)
+    elif flip:
         mirror = torch.rand(n, device=device) < 0.5
         images = torch.where(mirror[:, None, None, None], mirrored(images), images)
     if translate:  # RandomCrop(size, padding=translate): a shift in [-translate, translate]
@@ -305,7 +384,9 @@ def tta_views(images, mode: str, pad_mode: str = "reflect"):
     raise ValueError(f"eval.tta must be 'none', 'flip' or 'flip_translate', got {mode!r}")
 
 
-def article_transform(image: np.ndarray, *, augment: dict, mean, std):
-    """The article's per-sample transform: ToTensor, the augmentations, Normalize."""
-    x = augment_batch(to_tensor(image)[None], **augment)[0]
+def article_transform(image: np.ndarray, *, augment: dict, mean, std, mirror=None):
+    """The article's per-sample transform: ToTensor, the augmentations, Normalize;
+    `mirror`: this image's alternate_flip bit."""
+    mirror = None if mirror is None else torch.tensor([mirror])
+    x = augment_batch(to_tensor(image)[None], mirror=mirror, **augment)[0]
     return normalize(x, mean, std)

@@ -14,7 +14,8 @@ import pytest
 import torch  # in requirements.txt: these tests must run, not skip
 
 from configs import cifar, cifar_seed_cnn, default  # noqa: E402
-from jaxtrain import augment, compare, data, models, optim, torch_models, train  # noqa: E402
+from configs import cifar_speedrun  # noqa: E402
+from jaxtrain import augment, compare, data, models, optim, torch_models, torch_optim, train  # noqa: E402
 from overrides import with_overrides  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,13 +106,19 @@ def test_parameter_counts_are_equal(config, expected):
     variables = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
                                jnp.zeros((1, *shape)))
     assert models.count_params(variables["params"]) == expected
-    assert torch_models.count_params(torch_models.create_model(config, 10, shape)) == expected
+    twin = torch_models.create_model(config, 10, shape)
+    assert torch_models.count_params(twin) == expected
+    if config.name == "cifar_cnn":
+        twin[0].weight.requires_grad_(False)  # a fixed (whitened) stem counts, as in Flax
+        assert torch_models.count_params(twin) == expected
 
 
 @pytest.mark.parametrize("config", [
     model_config("seed_cnn", batch_norm=True),
     model_config("mlp", batch_norm=True, hidden_sizes=(64, 32)),
-], ids=["seed_cnn_bn", "mlp_bn"])
+    model_config("cifar_cnn", widths=(8, 16, 16), activation="gelu", bn_epsilon=1e-12,
+                 conv_init="dirac", head_init_std=1.0, head_scale=1 / 256),
+], ids=["seed_cnn_bn", "mlp_bn", "cifar_cnn_record"])
 def test_twins_with_copied_weights_compute_the_same_function(config):
     """Covers the layout changes: HWIO kernels, (in, out) dense kernels, the (h, w, c)
     flatten order and the BatchNorm statistics."""
@@ -169,12 +176,11 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     twin = torch_models.create_model(config.model, 10, shape)
     torch_models.load_flax_variables(twin, {"params": state.params,
                                             "batch_stats": state.batch_stats}, shape)
-    optimizer = compare.create_torch_optimizer(config.optimizer, twin)
+    optimizer = torch_optim.create_torch_optimizer(config.optimizer, twin, 10)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
     inputs = torch_models.normalize(torch.from_numpy(images).permute(0, 3, 1, 2), mean, std)
-    rate = compare.learning_rates(config.optimizer, 10)[0]
     loss = compare.torch_step(twin, optimizer, criterion, inputs,
-                              torch.from_numpy(labels).long(), rate)
+                              torch.from_numpy(labels).long(), 0)
     assert loss.item() == pytest.approx(float(metrics["loss"]), rel=1e-5)
 
     expected = torch_models.create_model(config.model, 10, shape)
@@ -207,17 +213,182 @@ def test_torch_optimizers_follow_optax(name, nesterov, schedule):
         updates, opt_state = tx.update(jnp.asarray(g), opt_state, params)
         params = optax.apply_updates(params, updates)
 
-    weight = torch.nn.Parameter(torch.from_numpy(w0.copy()))
-    module = torch.nn.Module()
-    module.weight = weight
-    optimizer = compare.create_torch_optimizer(opt, module)
-    for g, rate in zip(grads, compare.learning_rates(opt, steps)):
-        for group in optimizer.param_groups:
-            group["lr"] = rate
-        weight.grad = torch.from_numpy(g.copy())
+    layer = torch.nn.Linear(5, 1, bias=False)  # Flax path Dense_0/kernel
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w0)[None])
+    optimizer = torch_optim.create_torch_optimizer(opt, torch.nn.Sequential(layer), steps)
+    for step, g in enumerate(grads):
+        torch_optim.set_step(optimizer, step)
+        layer.weight.grad = torch.from_numpy(g.copy())[None]
         optimizer.step()
-    np.testing.assert_allclose(weight.detach().numpy(), np.asarray(params), rtol=1e-5,
+    np.testing.assert_allclose(layer.weight.detach().numpy()[0], np.asarray(params), rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_torch_muon_follows_optax_muon(nesterov):
+    """torch_optim.Muon (OIHW weights) against optax.contrib.muon through optim.py (HWIO
+    kernels): momentum averaging and bias correction, Newton-Schulz, the width scale,
+    decoupled weight decay, then the renormalisation."""
+    opt = default.get_config().optimizer
+    opt.name, opt.nesterov, opt.momentum, opt.ns_steps = "muon", nesterov, 0.6, 3
+    opt.schedule, opt.learning_rate, opt.weight_decay, opt.renormalize = "linear", 0.2, 0.05, True
+    steps = 5
+    rng = np.random.default_rng(1)
+    kernels = {"Conv_0": rng.normal(size=(3, 3, 4, 6)), "Dense_0": rng.normal(size=(6, 10))}
+    grads = [{k: rng.normal(size=v.shape) for k, v in kernels.items()} for _ in range(steps)]
+    as_tree = lambda arrays: {k: {"kernel": jnp.asarray(v, jnp.float32)} for k, v in arrays.items()}
+
+    tx = optim.create_optimizer(opt, optim.create_schedule(opt, steps))
+    params = as_tree(kernels)
+    opt_state = tx.init(params)
+    for g in grads:
+        updates, opt_state = tx.update(as_tree(g), opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+    conv, dense = torch.nn.Conv2d(4, 6, 3, bias=False), torch.nn.Linear(6, 10, bias=False)
+    to_torch = {"Conv_0": lambda k: k.transpose(3, 2, 0, 1), "Dense_0": lambda k: k.T}
+    layers = {"Conv_0": conv, "Dense_0": dense}
+    with torch.no_grad():
+        for name, layer in layers.items():
+            layer.weight.copy_(torch.from_numpy(to_torch[name](kernels[name]).copy()))
+    optimizer = torch_optim.create_torch_optimizer(opt, torch.nn.Sequential(conv, dense), steps)
+    assert [type(o).__name__ for o in optimizer.optimizers] == ["Muon"]
+    for step, g in enumerate(grads):
+        torch_optim.set_step(optimizer, step)
+        for name, layer in layers.items():
+            layer.weight.grad = torch.from_numpy(to_torch[name](g[name]).astype(np.float32))
+        optimizer.step()
+    for name, layer in layers.items():
+        expected = to_torch[name](np.asarray(params[name]["kernel"]))
+        assert np.linalg.norm(expected) == pytest.approx(np.sqrt(expected.shape[0]), rel=1e-5)
+        np.testing.assert_allclose(layer.weight.detach().numpy(), expected, rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def record_config(data_dir, **overrides):
+    """configs/cifar_speedrun.py, narrow, float32, on the 2,000-image fixture."""
+    config = cifar_speedrun.get_config()
+    config.data.dir, config.data.source = str(data_dir), "files"
+    config.model.widths = (8, 16, 16)
+    config.train.precision = "float32"
+    config.train.batch_size, config.eval.batch_size = 100, 250
+    return with_overrides(config, overrides)
+
+
+def to_torch_layout(array):
+    """A Flax parameter in its twin's layout: HWIO -> OIHW, (in, out) -> (out, in)."""
+    array = np.asarray(array)
+    return {4: lambda a: a.transpose(3, 2, 0, 1), 2: lambda a: a.T}.get(array.ndim,
+                                                                      lambda a: a)(array)
+
+
+def test_record_recipe_optimizers_take_the_same_steps(cifar_batches_dir):
+    """Three steps of the record recipe's optimiser on the same weights and gradients
+    (jaxtrain's, on real images): the four parameter groups matched on Flax paths
+    (Muon with renormalised filters; Nesterov SGD at their own rates for the BatchNorm
+    biases, the stem bias and the head), the fixed whitened stem, each group's
+    schedule. The stem bias trains for its first step only (train_steps=1).
+
+    The gradients come from jaxtrain for both: where a max-pool window holds equal
+    values (flat image regions, GELU's exact zeros, common with the Dirac convs
+    passing the whitened stem through), XLA and torch send the gradient to different,
+    equally valid elements, so their own gradients differ by a few percent there."""
+    config = record_config(cifar_batches_dir, optimizer__groups__stem_bias__train_steps=1)
+    run = train.setup(config)
+    dataset, state, shape = run.dataset, run.state, run.dataset.image_shape
+    grad_fn = jax.jit(jax.grad(lambda params, images, labels: optax.softmax_cross_entropy(
+        state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                       train.normalize(images, run.mean, run.std), train=True,
+                       mutable=["batch_stats"])[0],
+        optax.smooth_labels(jax.nn.one_hot(labels, 10), 0.2)).mean()))
+    twin, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"),
+                                              run.total_steps, run.stem_kernel)
+    torch_models.load_flax_variables(twin, {"params": state.params,
+                                            "batch_stats": state.batch_stats}, shape)
+    assert sorted(g["name"] for g in optimizer.param_groups) == [
+        "filters", "head", "norm_biases", "stem_bias"]
+    paths = torch_models.flax_param_paths(twin)
+    assert paths[twin[0].weight] == "Conv_0/kernel" and not twin[0].weight.requires_grad
+    paths = {p: path for p, path in paths.items() if p.requires_grad}
+    assert len(paths) == 1 + 6 + 6 + 1  # stem bias, filters, BatchNorm biases, head
+    flat = lambda tree: {optim.param_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+    stem_bias = [twin[0].bias.detach().clone()]
+    for i in range(3):
+        grads = grad_fn(state.params, dataset.x_train[i * 32:(i + 1) * 32],
+                        dataset.y_train[i * 32:(i + 1) * 32])
+        state = state.apply_gradients(grads=grads)
+        by_path = flat(grads)
+        for param, path in paths.items():
+            param.grad = torch.from_numpy(to_torch_layout(by_path[path]).copy())
+        torch_optim.set_step(optimizer, i)
+        optimizer.step()
+        stem_bias.append(twin[0].bias.detach().clone())
+        expected = flat(state.params)
+        for param, path in paths.items():
+            np.testing.assert_allclose(param.detach().numpy(), to_torch_layout(expected[path]),
+                                       rtol=1e-4, atol=1e-5, err_msg=f"step {i}: {path}")
+    assert not torch.equal(stem_bias[0], stem_bias[1])
+    assert torch.equal(stem_bias[1], stem_bias[3])  # train_steps=1: frozen after step 1
+    filters = twin[3][4].weight.detach()  # renormalised to norm sqrt(C_out)
+    assert torch.linalg.norm(filters).item() == pytest.approx(4.0, rel=1e-5)
+
+
+def test_record_recipe_twin_initialisation():
+    """Dirac block convs (identity on the first min(C_in, C_out) filters) and the
+    head drawn from N(0, 1), as the Flax model's initialisers."""
+    config = cifar_speedrun.get_config().model
+    twin = torch_models.create_model(config, 10, (32, 32, 3))
+    first = twin[2][0].weight.detach()  # ConvBlock_0/Conv_0: 24 -> 64
+    assert torch.equal(first[:24, :, 1, 1], torch.eye(24))
+    assert not first[:24].sum((2, 3)).sub(torch.eye(24)).any()
+    assert first[24:].std() > 0
+    head = twin[-2].weight.detach()
+    assert head.std().item() == pytest.approx(1.0, rel=0.1)
+    assert isinstance(twin[1], torch.nn.GELU) and twin[1].approximate == "none"
+    assert twin[2][2].eps == 1e-12
+
+
+def test_alternating_flips_mirror_each_image_once_in_two_epochs(cifar_batches_dir):
+    config = record_config(cifar_batches_dir)
+    flips = compare.first_epoch_flips(config, 64)
+    images = torch.from_numpy(
+        data.load("cifar10", "files", str(cifar_batches_dir)).x_train[:64]).permute(0, 3, 1, 2)
+    seen = []
+    for epoch in (0, 1):
+        mirror = flips ^ (epoch % 2 == 1)
+        out = torch_models.augment_batch(images, flip=True, alternate_flip=True, mirror=mirror)
+        seen.append((out == images.flip(3)).flatten(1).all(1) & ~(out == images).flatten(1).all(1))
+    assert 16 < int(seen[0].sum()) < 48
+    assert torch.equal(seen[0] ^ seen[1], torch.ones(64, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mirror bits"):
+        torch_models.augment_batch(images, flip=True, alternate_flip=True)
+
+
+def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
+    """eval.tta_fraction: plain logits, then TTA on the 30% least confident images."""
+    config = record_config(cifar_batches_dir, eval__tta_fraction=0.3)
+    run = train.setup(config)
+    dataset, state = run.dataset, run.state
+    stats = jax.tree.map(lambda v: v + 0.3, state.batch_stats)
+    state = state.replace(batch_stats=stats)
+    eval_arrays = train.batch_for_eval(dataset.x_test, dataset.y_test, config.eval.batch_size)
+    expected = jax.device_get(jax.jit(functools.partial(
+        train.evaluate, **train.eval_arguments(config, run)))(state, *eval_arrays))
+    twin = torch_models.load_flax_variables(
+        torch_models.create_model(config.model, 10, dataset.image_shape),
+        {"params": state.params, "batch_stats": stats}, dataset.image_shape)
+    x, y = torch.from_numpy(dataset.x_test).permute(0, 3, 1, 2), torch.from_numpy(dataset.y_test)
+    batches = [(x[i:i + 250], y[i:i + 250].long()) for i in range(0, len(x), 250)]
+    kwargs = dict(mean=run.mean, std=run.std, tta="flip_translate",
+                  pad_mode=config.augment.pad_mode, device=torch.device("cpu"))
+    got = compare.torch_evaluate(twin, batches, tta_images=compare.tta_images(config, dataset),
+                                 **kwargs)
+    assert compare.tta_images(config, dataset) == 150
+    assert got["accuracy"] == pytest.approx(float(expected["accuracy"]), abs=1 / 500)
+    assert got["loss"] == pytest.approx(float(expected["loss"]), rel=1e-4)
+    everything = compare.torch_evaluate(twin, batches, **kwargs)
+    assert everything["loss"] != pytest.approx(got["loss"], rel=1e-4)  # the fraction matters
 
 
 @pytest.mark.parametrize("mode", ["none", "flip", "flip_translate"])
@@ -289,10 +460,18 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
     run = train.setup(config)
     dataset = run.dataset
     model, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"),
-                                               run.stem_kernel)
+                                               run.total_steps, run.stem_kernel)
     stem = model[0]
     np.testing.assert_allclose(stem.weight.detach().numpy(),
                                run.stem_kernel.transpose(3, 2, 0, 1), rtol=1e-6)
     assert not stem.weight.requires_grad
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(stem.weight) not in trained and id(stem.bias) in trained
+
+
+def test_a_recipe_the_twins_lack_is_refused_before_training(cifar_batches_dir, tmp_path):
+    config = seed_config(cifar_batches_dir, optimizer__lookahead_steps=5)
+    with pytest.raises(compare.CompareError,
+                       match=r"do not implement optimizer.lookahead_steps=5: run --frameworks=jax"):
+        compare.run(config, ["jax", "torch_fast"], str(tmp_path))
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing written
