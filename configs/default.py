@@ -11,9 +11,15 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0
 
     config.data = ml_collections.ConfigDict()
-    config.data.name = "cifar10"     # 'cifar10' | 'fashion_mnist' | 'mnist'
-    config.data.source = "auto"      # 'auto' (local files, then tfds) | 'files' | 'tfds'
-    config.data.dir = ""             # searched first, then $JAXTRAIN_DATA_DIR, ~/.cache/jaxtrain
+    config.data.name = "cifar10"     # 'cifar10' | 'cifar100' | 'fashion_mnist' | 'mnist' | 'folder' | 'arrays'
+    config.data.source = "auto"      # 'auto' (local files, then download, then tfds) | 'files' | 'download' | 'tfds'
+    config.data.dir = ""             # searched first, then $JAXTRAIN_DATA_DIR, ~/.cache/jaxtrain;
+                                     # folder: the root of train/<class>/*, test/<class>/*; arrays: the .npz
+    config.data.label = "fine"       # cifar100: 'fine' (100 classes) | 'coarse' (20 superclasses)
+    config.data.image_size = 0       # folder: resize to this many pixels square (0: keep; all one size)
+    config.data.resize = "crop"      # folder: 'crop' (short side, then centre crop) | 'exact'
+    config.data.channels = 3         # folder: 3 (RGB) | 1 (grey); every mode is converted
+    config.data.workers = 0          # folder: decoding processes (0: one per core)
     config.data.mean = ()            # per-channel, in [0, 1]; () = computed from the training split
     config.data.std = ()
 

@@ -100,6 +100,18 @@ def check_config(config) -> None:
          config.augment.alternate_flip, "needs augment.flip=True")
     need(0.0 <= config.eval.tta_fraction <= 1.0, "eval.tta_fraction", config.eval.tta_fraction,
          "must be in [0, 1]")
+    dc = config.data
+    need(dc.source in data.SOURCES, "data.source", dc.source, "must be one of "
+         + ", ".join(data.SOURCES))
+    need(dc.label in data.CIFAR100_LABELS, "data.label", dc.label,
+         "must be 'fine' (CIFAR-100's 100 classes) or 'coarse' (its 20 superclasses)")
+    need(isinstance(dc.image_size, int) and dc.image_size >= 0, "data.image_size", dc.image_size,
+         "must be an int >= 0 (0: keep the images' own size)")
+    need(dc.resize in data.RESIZES, "data.resize", dc.resize, "must be one of "
+         + ", ".join(data.RESIZES))
+    need(dc.channels in (1, 3), "data.channels", dc.channels, "must be 3 (RGB) or 1 (grey)")
+    need(isinstance(dc.workers, int) and dc.workers >= 0, "data.workers", dc.workers,
+         "must be an int >= 0 (0: one per core)")
     for key in ("mean", "std"):
         value = tuple(config.data[key])
         need(len(value) == 0 or all(isinstance(v, (int, float)) for v in value), f"data.{key}",
@@ -451,7 +463,7 @@ def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
     """
     check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
-    dataset = data.load(config.data.name, config.data.source, config.data.dir or None)
+    dataset = data.load_config(config.data)
     mean, std = channel_stats(dataset, config)
     batch_size = config.train.batch_size
     steps_per_epoch = len(dataset.x_train) // batch_size

@@ -328,8 +328,8 @@ def test_auto_prefers_files_and_tfds_source_skips_them(cifar_batches_dir, isolat
 
 
 @pytest.mark.parametrize('name, source, match', [
-    ('cifar100', 'files', r"unknown dataset 'cifar100'.*cifar10"),
-    ('cifar10', 'web', r"unknown data source 'web'.*auto, files, tfds"),
+    ('imagenet', 'files', r"unknown dataset 'imagenet'.*cifar10"),
+    ('cifar10', 'web', r"unknown data source 'web'.*auto, files, download, tfds"),
 ])
 def test_unknown_name_or_source(name, source, match, no_tfds):
     with pytest.raises(DataError, match=match):

@@ -12,46 +12,96 @@ from __future__ import annotations
 
 import os
 
+from jaxtrain.data.arrays import load_arrays
 from jaxtrain.data.cifar import (CIFAR10_ARCHIVE, CIFAR10_CLASSES, CIFAR10_DIR,  # noqa: F401
-                                 CIFAR10_META, CIFAR10_TEST, CIFAR10_TRAIN, _find_cifar10,
-                                 load_cifar10_archive, load_cifar10_dir)
+                                 CIFAR10_META, CIFAR10_TEST, CIFAR10_TRAIN, CIFAR100_ARCHIVE,
+                                 CIFAR100_DIR, CIFAR100_LABELS, _find_cifar10, _find_cifar100,
+                                 load_cifar10_archive, load_cifar10_dir, load_cifar100_archive,
+                                 load_cifar100_dir)
 from jaxtrain.data.dataset import DataError, Dataset
 from jaxtrain.data.idx import IDX_FILES, _find_idx, load_idx_dir, read_idx  # noqa: F401
 from jaxtrain.data.tfds import load_tfds
 
 __all__ = [
-    'DataError', 'Dataset', 'load', 'search_dirs', 'load_cifar10_dir',
-    'load_cifar10_archive', 'load_idx_dir', 'read_idx', 'load_tfds',
+    'DataError', 'Dataset', 'load', 'load_config', 'search_dirs', 'load_cifar10_dir',
+    'load_cifar10_archive', 'load_cifar100_dir', 'load_cifar100_archive', 'load_arrays',
+    'load_idx_dir', 'read_idx', 'load_tfds',
 ]
 
-SOURCES = ('auto', 'files', 'tfds')
+SOURCES = ('auto', 'files', 'download', 'tfds')
+# Your own data: data.dir is the folder tree or the .npz itself, nothing is searched.
+PATH_DATASETS = ('folder', 'arrays')
+RESIZES = ('crop', 'exact')
 ENV_VAR = 'JAXTRAIN_DATA_DIR'
 CACHE_DIR = '~/.cache/jaxtrain'
 
 
-def load(name: str, source: str = 'auto', data_dir: str | None = None) -> Dataset:
-    """Load dataset `name` from local files, tfds, or files-then-tfds ('auto')."""
+def load(name: str, source: str = 'auto', data_dir: str | None = None, *,
+         label: str = 'fine', image_size: int = 0, resize: str = 'crop', channels: int = 3,
+         workers: int = 0) -> Dataset:
+    """Load dataset `name`: a built-in one from local files, a download, or tfds
+    (source 'auto' tries them in that order), or your own ('folder', 'arrays') from
+    data_dir. label: CIFAR-100's 'fine' or 'coarse'; image_size, resize, channels,
+    workers: how a folder's images are decoded (folder.load_folder)."""
+    if name in PATH_DATASETS:
+        if not data_dir:
+            raise DataError(f"data.name={name!r} reads data.dir: set it to "
+                            + ("the folder holding train/<class>/ and test/<class>/"
+                               if name == 'folder' else "the .npz file"))
+        if name == 'arrays':
+            return load_arrays(data_dir)
+        from jaxtrain.data import folder  # Pillow and process pools: only when used
+        return folder.load_folder(data_dir, image_size=image_size or None, resize=resize,
+                                  channels=channels, workers=workers, cache_dir=CACHE_DIR)
     if name not in _FILE_LAYOUTS:
-        raise DataError(f'unknown dataset {name!r}; supported: {", ".join(sorted(_FILE_LAYOUTS))}')
+        raise DataError(f'unknown dataset {name!r}; supported: '
+                        f'{", ".join(sorted([*_FILE_LAYOUTS, *PATH_DATASETS]))}')
     if source not in SOURCES:
         raise DataError(f'unknown data source {source!r}; use one of: {", ".join(SOURCES)}')
+    if name == 'cifar100' and label not in CIFAR100_LABELS:
+        raise DataError(f"data.label={label!r}: CIFAR-100 labels are 'fine' (100 classes) or "
+                        "'coarse' (20 superclasses)")
     if source == 'tfds':
         return load_tfds(name, data_dir=data_dir)
 
     find, looked_for, provide = _FILE_LAYOUTS[name]
+    if name == 'cifar100':
+        find = _find_cifar100(label)
     dirs = search_dirs(data_dir, _SYSTEM_DIRS.get(name, ()))
-    for directory, _ in dirs:
-        loader = find(directory)
-        if loader is not None:
-            return loader()
+    if source != 'download':
+        for directory, _ in dirs:
+            loader = find(directory)
+            if loader is not None:
+                return loader()
 
     report = _not_found_report(name, dirs, looked_for)
     if source == 'files':
         raise DataError(f'{report}\n{_how_to_provide(provide)}')
+    from jaxtrain.data import download  # urllib and tqdm: only when used
+    try:
+        loader = find(download.download(name, cache_dir=CACHE_DIR))
+        if loader is None:
+            raise DataError(f'{name}: downloaded, but no {", ".join(looked_for)} in {CACHE_DIR}')
+        return loader()
+    except DataError as e:
+        if source == 'download':
+            raise
+        fetch_error = e
     try:
         return load_tfds(name, data_dir=data_dir)
     except DataError as e:
-        raise DataError(f'{report}\nThe tfds fallback failed too: {e}\n{_how_to_provide(provide)}') from e
+        raise DataError(f'{report}\nThe download failed: {fetch_error}\n'
+                        f'The tfds fallback failed too: {e}\n{_how_to_provide(provide)}') from e
+
+
+def load_config(data_config) -> Dataset:
+    """data.load with the `data` config block's settings."""
+    return load(data_config.name, data_config.source, data_config.dir or None,
+                label=data_config.get('label', 'fine'),
+                image_size=data_config.get('image_size', 0),
+                resize=data_config.get('resize', 'crop'),
+                channels=data_config.get('channels', 3),
+                workers=data_config.get('workers', 0))
 
 
 def search_dirs(data_dir: str | None, system_dirs=()) -> list[tuple[str, str]]:
@@ -88,7 +138,8 @@ def _not_found_report(name, dirs, looked_for) -> str:
 def _how_to_provide(provide: str) -> str:
     return (f'To provide the data, put {provide} into data.dir, '
             f'${ENV_VAR} or {CACHE_DIR} (e.g. pass --config.data.dir=DIR), '
-            f"or use data.source='tfds'.")
+            f"or let jaxtrain fetch it: data.source='download' or data.source='tfds' "
+            f"(or ahead of time: python -m jaxtrain.data download NAME).")
 
 
 # ---------------------------------------------------------------------------
@@ -105,6 +156,8 @@ _FILE_LAYOUTS = {
                       ('train-images-idx3-ubyte[.gz] and the other three IDX files, '
                        'there or in fashion-mnist/',),
                       'the four Fashion-MNIST IDX files (apt-get install dataset-fashion-mnist)'),
+    'cifar100': (_find_cifar100('fine'), (f'{CIFAR100_DIR}/', CIFAR100_ARCHIVE),
+                 f'{CIFAR100_ARCHIVE} or {CIFAR100_DIR}/'),
     'mnist': (_find_idx('mnist', ('mnist',)),
               ('train-images-idx3-ubyte[.gz] and the other three IDX files, there or in mnist/',),
               'the four MNIST IDX files'),

@@ -1,4 +1,4 @@
-"""CIFAR-10 in its "python version": cifar-10-batches-py/ or the .tar.gz.
+"""CIFAR-10 and CIFAR-100 in their "python version": the directory or the .tar.gz.
 
 The pickles are read with a restricted unpickler: a pickle can run arbitrary
 code, and data files are often downloaded from mirrors nobody audits.
@@ -26,6 +26,13 @@ CIFAR10_TRAIN = tuple(f'data_batch_{i}' for i in range(1, 6))
 CIFAR10_TEST = 'test_batch'
 CIFAR10_META = 'batches.meta'
 _CIFAR_ROW = 3 * 32 * 32
+
+CIFAR100_DIR = 'cifar-100-python'
+CIFAR100_ARCHIVE = 'cifar-100-python.tar.gz'
+CIFAR100_TRAIN, CIFAR100_TEST, CIFAR100_META = 'train', 'test', 'meta'
+# data.label -> (the batches' label key, the meta's names key, the number of classes)
+CIFAR100_LABELS = {'fine': ('fine_labels', 'fine_label_names', 100),
+                   'coarse': ('coarse_labels', 'coarse_label_names', 20)}
 
 
 def _find_cifar10(directory: str) -> Callable[[], Dataset] | None:
@@ -80,6 +87,71 @@ def load_cifar10_archive(path: str) -> Dataset:
     return _cifar10_from_files(files, lambda fname: f'{path}:{CIFAR10_DIR}/{fname}', origin=path)
 
 
+def _find_cifar100(label: str):
+    """find(dir) for CIFAR-100 with `label` ('fine' or 'coarse')."""
+    def find(directory: str) -> Callable[[], Dataset] | None:
+        folder = os.path.join(directory, CIFAR100_DIR)
+        if os.path.isdir(folder):
+            return lambda: load_cifar100_dir(folder, label)
+        archive = os.path.join(directory, CIFAR100_ARCHIVE)
+        if os.path.isfile(archive):
+            return lambda: load_cifar100_archive(archive, label)
+        return None
+    return find
+
+
+def load_cifar100_dir(path: str, label: str = 'fine') -> Dataset:
+    """Load a cifar-100-python directory (train, test, meta); label 'fine' (100 classes)
+    or 'coarse' (the 20 superclasses)."""
+    path = os.fspath(path)
+    files = {}
+    for fname in (CIFAR100_TRAIN, CIFAR100_TEST, CIFAR100_META):
+        full = os.path.join(path, fname)
+        try:
+            with open(full, 'rb') as f:
+                files[fname] = f.read()
+        except OSError as e:
+            raise DataError(f'{full}: cannot read CIFAR-100 file ({e.strerror or e})') from e
+    return _cifar100_from_files(files, lambda fname: os.path.join(path, fname), path, label)
+
+
+def load_cifar100_archive(path: str, label: str = 'fine') -> Dataset:
+    """Load cifar-100-python.tar.gz in memory, like load_cifar10_archive."""
+    path = os.fspath(path)
+    wanted = {f'{CIFAR100_DIR}/{f}': f for f in (CIFAR100_TRAIN, CIFAR100_TEST, CIFAR100_META)}
+    files = {}
+    try:
+        with tarfile.open(path, 'r:*') as tar:
+            for member in tar:
+                fname = wanted.get(member.name.removeprefix('./'))
+                if fname is not None:
+                    files[fname] = _read_member(tar, member, path)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        raise DataError(f'{path}: corrupt or unreadable archive ({type(e).__name__}: {e})') from e
+    missing = [m for m, f in wanted.items() if f not in files]
+    if missing:
+        raise DataError(f'{path}: archive lacks member(s) {", ".join(missing)}')
+    return _cifar100_from_files(files, lambda fname: f'{path}:{CIFAR100_DIR}/{fname}', path,
+                                label)
+
+
+def _cifar100_from_files(files: dict[str, bytes], where: Callable[[str], str], origin: str,
+                         label: str) -> Dataset:
+    if label not in CIFAR100_LABELS:
+        raise DataError(f"data.label={label!r}: CIFAR-100 labels are 'fine' (100 classes) or "
+                        "'coarse' (20 superclasses)")
+    label_key, names_key, count = CIFAR100_LABELS[label]
+    meta = where(CIFAR100_META)
+    class_names = _cifar10_class_names(_unpickle(files[CIFAR100_META], meta), meta, names_key,
+                                       count)
+    x_train, y_train = _cifar10_batch(files[CIFAR100_TRAIN], where(CIFAR100_TRAIN), count,
+                                      label_key)
+    x_test, y_test = _cifar10_batch(files[CIFAR100_TEST], where(CIFAR100_TEST), count,
+                                    label_key)
+    return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                   class_names=class_names, origin=origin)
+
+
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> bytes:
     """Bytes of one archive member, refusing anything but a plain file with a plain name."""
     where = f'{path}:{member.name}'
@@ -113,13 +185,14 @@ def _cifar10_from_files(files: dict[str, bytes], where: Callable[[str], str], or
     )
 
 
-def _cifar10_batch(raw: bytes, where: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def _cifar10_batch(raw: bytes, where: str, num_classes: int,
+                   label_key: str = 'labels') -> tuple[np.ndarray, np.ndarray]:
     """One batch file -> (uint8 (n, 32, 32, 3) HWC, int32 (n,)), after validating it."""
     batch = _unpickle(raw, where)
     if not isinstance(batch, dict):
         raise DataError(f'{where}: expected a dict, got {type(batch).__name__}')
     data = _as_array(_get(batch, 'data', where), where, 'data')
-    labels = _as_array(_get(batch, 'labels', where), where, 'labels')
+    labels = _as_array(_get(batch, label_key, where), where, label_key)
 
     if data.ndim != 2 or data.shape[1] != _CIFAR_ROW:
         raise DataError(f'{where}: data has shape {data.shape}, expected (n, {_CIFAR_ROW})')
@@ -143,18 +216,19 @@ def _cifar10_batch(raw: bytes, where: str, num_classes: int) -> tuple[np.ndarray
     return np.ascontiguousarray(images), labels.astype(np.int32)
 
 
-def _cifar10_class_names(meta, where: str) -> tuple[str, ...]:
+def _cifar10_class_names(meta, where: str, key: str = 'label_names',
+                         count: int = len(CIFAR10_CLASSES)) -> tuple[str, ...]:
     if not isinstance(meta, dict):
         raise DataError(f'{where}: expected a dict, got {type(meta).__name__}')
-    names = _get(meta, 'label_names', where)
-    if not isinstance(names, (list, tuple)) or len(names) != len(CIFAR10_CLASSES):
-        raise DataError(f'{where}: label_names must be a list of {len(CIFAR10_CLASSES)} names')
+    names = _get(meta, key, where)
+    if not isinstance(names, (list, tuple)) or len(names) != count:
+        raise DataError(f'{where}: {key} must be a list of {count} names')
     result = []
     for n in names:
         if isinstance(n, bytes):
             n = n.decode('latin1')
         if not isinstance(n, str):
-            raise DataError(f'{where}: label_names holds a {type(n).__name__}, expected strings')
+            raise DataError(f'{where}: {key} holds a {type(n).__name__}, expected strings')
         result.append(n)
     return tuple(result)
 
