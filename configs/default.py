@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn' | 'mlp'
+    config.model.stem = "auto"       # resnet18/34/50: 'imagenet' (7x7/2 conv + max-pool) | 'cifar' (3x3/1 conv) | 'auto' (cifar up to 64 px a side)
     config.model.batch_norm = False  # seed_cnn, mlp: BatchNorm after each conv and hidden dense
     config.model.hidden_sizes = (256, 128, 100)  # mlp: hidden dense layers
     config.model.dropout = 0.0       # mlp: dropout after each hidden layer

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import data, models, optim, report, train
+from jaxtrain import data, models, optim, report, train, user_model
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
 JSON_FILE = "compare.json"
@@ -55,9 +55,12 @@ def import_torch():
 
 def torch_unsupported(config) -> list[str]:
     """Config settings the PyTorch twins do not reproduce (config keys, with values)."""
+    found = []
+    if user_model.is_user_model(config.model.name):
+        found.append(f"model.name={config.model.name!r} (your own model has no PyTorch twin)")
     if config.optimizer.lookahead_steps:
-        return [f"optimizer.lookahead_steps={config.optimizer.lookahead_steps!r}"]
-    return []
+        found.append(f"optimizer.lookahead_steps={config.optimizer.lookahead_steps!r}")
+    return found
 
 
 def torch_recipe(config, dataset, device, total_steps: int, stem_kernel=None):

@@ -6,7 +6,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxtrain import checkpoint, models, optim, train
+from jaxtrain import checkpoint, models, optim, train, user_model
 
 
 class Classifier:
@@ -35,18 +35,24 @@ class Classifier:
         return probabilities.argmax(-1).astype(np.int32), probabilities
 
 
-def restore(workdir: str, step: int | None = None, tta: str | None = None) -> Classifier:
+def restore(workdir: str, step: int | None = None, tta: str | None = None,
+            model=None) -> Classifier:
     """The newest (or the given) checkpoint of the run in `workdir`, ready to classify.
 
     Needs no data: the normalisation and class names are stored in the checkpoint.
+    `model`: the Flax module instance a run was trained on through
+    train_and_evaluate(model=...) (a model.name is rebuilt, or imported, by itself).
     """
     with open(os.path.join(workdir, train.CONFIG_FILE)) as f:
         config = ml_collections.ConfigDict(json.load(f))
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False)
     try:
         meta = checkpoint.read_meta(manager, step)
-        model = models.create_model(config.model, len(meta["class_names"]),
-                                    train.PRECISIONS[config.train.precision])
+        if model is not None:
+            model = user_model.from_instance(model)
+        else:
+            model = models.create_model(config.model, len(meta["class_names"]),
+                                        train.PRECISIONS[config.train.precision])
         tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 1),
                                     models.frozen_params(config.model))
         state = train.create_train_state(jax.random.key(0), model, tx, tuple(meta["image_shape"]))

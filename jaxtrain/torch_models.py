@@ -155,7 +155,100 @@ def mlp(num_classes: int, image_shape, hidden_sizes=(256, 128, 100), use_batch_n
     return lecun_normal_(nn.Sequential(*layers))
 
 
-def create_model(model_config, num_classes: int, image_shape) -> nn.Sequential:
+def flax_named(module: nn.Module, path: str) -> nn.Module:
+    """Records the Flax scope of a Conv2d, Linear or BatchNorm ('ResNetBlock_3/Conv_1'), so
+    flax_param_paths and load_flax_variables map it by name and not by position."""
+    module.flax_path = path
+    return module
+
+
+class ResNetBlock(nn.Module):
+    """The twin of jaxtrain.models.ResNetBlock (bottleneck=False) and
+    BottleneckResNetBlock (True): conv - BN pairs along the residual branch with a
+    ReLU between pairs, the last BN's weight zero, a strided 1x1 conv - BN shortcut
+    where the shape changes, ReLU after the sum. `scope`: the block's Flax name."""
+
+    def __init__(self, in_channels: int, filters: int, stride: int, bottleneck: bool,
+                 scope: str):
+        super().__init__()
+        if bottleneck:  # the stride on the 3x3 conv (torchvision's v1.5)
+            specs = [(filters, 1, 1), (filters, 3, stride), (4 * filters, 1, 1)]
+        else:
+            specs = [(filters, 3, stride), (filters, 3, 1)]
+        convs, norms, channels = [], [], in_channels
+        for i, (out_channels, size, conv_stride) in enumerate(specs):
+            convs.append(flax_named(nn.Conv2d(channels, out_channels, size, conv_stride,
+                                              padding=size // 2, bias=False),
+                                    f"{scope}/Conv_{i}"))
+            norms.append(flax_named(batch_norm(out_channels, 0.9), f"{scope}/BatchNorm_{i}"))
+            channels = out_channels
+        nn.init.zeros_(norms[-1].weight)
+        self.convs, self.norms = nn.ModuleList(convs), nn.ModuleList(norms)
+        self.shortcut = None
+        if stride != 1 or in_channels != channels:  # Flax: where the shape changes
+            n = len(specs)  # Flax creates the projection after the branch
+            self.shortcut = nn.Sequential(
+                flax_named(nn.Conv2d(in_channels, channels, 1, stride, bias=False),
+                           f"{scope}/Conv_{n}"),
+                flax_named(batch_norm(channels, 0.9), f"{scope}/BatchNorm_{n}"))
+        self.out_channels = channels
+
+    def forward(self, x):
+        y = x
+        for i, (conv, norm) in enumerate(zip(self.convs, self.norms)):
+            y = norm(conv(y))
+            if i < len(self.convs) - 1:
+                y = torch.relu(y)
+        return torch.relu(y + (x if self.shortcut is None else self.shortcut(x)))
+
+
+class ResNet(nn.Module):
+    """The twin of jaxtrain.models.ResNet: stem, blocks, global average pool, dense head;
+    float32 logits. Every Conv2d, BatchNorm and Linear records its Flax path."""
+
+    def __init__(self, stage_sizes, bottleneck: bool, num_classes: int, image_shape,
+                 stem: str, width: int = 64):
+        super().__init__()
+        size, stride = (7, 2) if stem == "imagenet" else (3, 1)  # 'imagenet' or 'cifar'
+        stem_layers = [flax_named(nn.Conv2d(image_shape[-1], width, size, stride,
+                                            padding=size // 2, bias=False), "Conv_0"),
+                       flax_named(batch_norm(width, 0.9), "BatchNorm_0"), nn.ReLU()]
+        if stem == "imagenet":
+            stem_layers.append(nn.MaxPool2d(3, 2, padding=1))
+        self.stem = nn.Sequential(*stem_layers)
+        kind = "BottleneckResNetBlock" if bottleneck else "ResNetBlock"
+        blocks, channels = [], width
+        for i, size in enumerate(stage_sizes):
+            for j in range(size):
+                block = ResNetBlock(channels, width * 2 ** i, 2 if i > 0 and j == 0 else 1,
+                                    bottleneck, f"{kind}_{len(blocks)}")
+                blocks.append(block)
+                channels = block.out_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.head = flax_named(nn.Linear(channels, num_classes), "Dense_0")
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.head(x.mean(dim=(2, 3))).float()
+
+
+RESNETS = {18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False), 50: ((3, 4, 6, 3), True)}
+
+
+def resnet(depth: int, num_classes: int, image_shape, stem: str = "auto") -> ResNet:
+    """ResNet-18, 34 or 50 as jaxtrain.models builds it (its stem rule for 'auto'), with
+    Flax's lecun_normal kernels, zero dense bias and zero last-BN weight per block."""
+    from jaxtrain import models  # the stem rule; here so importing this module needs no Flax
+
+    if depth not in RESNETS:
+        raise ValueError(f"resnet depth must be one of {sorted(RESNETS)}, got {depth}")
+    stage_sizes, bottleneck = RESNETS[depth]
+    model = ResNet(stage_sizes, bottleneck, num_classes, image_shape,
+                   models.resnet_stem(stem, image_shape))
+    return lecun_normal_(model)  # convs and the head only: the zero BN weights stay
+
+
+def create_model(model_config, num_classes: int, image_shape) -> nn.Module:
     """The twin of jaxtrain.models.create_model; image_shape is (H, W, C), inputs are NCHW."""
     name = model_config.name
     if name == "seed_cnn":
@@ -171,7 +264,11 @@ def create_model(model_config, num_classes: int, image_shape) -> nn.Sequential:
     if name == "mlp":
         return mlp(num_classes, image_shape, tuple(model_config.hidden_sizes),
                    model_config.batch_norm, model_config.dropout)
-    raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp")
+    if name in ("resnet18", "resnet34", "resnet50"):
+        return resnet(int(name[len("resnet"):]), num_classes, image_shape,
+                      model_config.get("stem", "auto"))
+    raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp, "
+                     "resnet18, resnet34, resnet50")
 
 
 def count_params(model: nn.Module) -> int:
@@ -228,11 +325,56 @@ def _copy(sequential, params, stats, x):
     return x
 
 
+def flax_named_layers(model: nn.Module) -> list:
+    """(layer, Flax path) for every layer of `model` that records its path (flax_named)."""
+    return [(layer, layer.flax_path) for layer in model.modules() if hasattr(layer, "flax_path")]
+
+
+def _scope(tree, path: str):
+    for name in path.split("/"):
+        tree = tree[name]
+    return tree
+
+
+@torch.no_grad()
+def _copy_named(named, params, stats):
+    """Copies Flax variables into layers that record their Flax paths; no layer needs
+    the activation shape (a Linear after a global pool, never after a Flatten)."""
+    for layer, path in named:
+        p = _scope(params, path)
+        if isinstance(layer, nn.Conv2d):
+            layer.weight.copy_(_tensor(p["kernel"]).permute(3, 2, 0, 1))  # HWIO -> OIHW
+        elif isinstance(layer, nn.Linear):
+            layer.weight.copy_(_tensor(p["kernel"]).T)  # (in, out) -> (out, in)
+        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            s = _scope(stats, path)
+            layer.weight.copy_(_tensor(p["scale"]) if "scale" in p
+                               else torch.ones_like(layer.weight))
+            layer.running_mean.copy_(_tensor(s["mean"]))
+            layer.running_var.copy_(_tensor(s["var"]))
+        else:
+            raise TypeError(f"{path}: no Flax counterpart for {type(layer).__name__}")
+        if layer.bias is not None:
+            layer.bias.copy_(_tensor(p["bias"]))
+
+
 def flax_param_paths(sequential: nn.Sequential, prefix: str = "") -> dict:
     """Each torch parameter's Flax path ('ConvBlock_0/Conv_1/kernel'), keyed by the
     parameter: the names optimizer.groups' regular expressions match, in the Flax
     order _copy follows. Frozen weights with a Flax counterpart (a whitened stem)
-    are in; a BatchNorm weight frozen at 1 (Flax's use_scale=False) has none."""
+    are in; a BatchNorm weight frozen at 1 (Flax's use_scale=False) has none.
+    A twin whose layers record their Flax paths (flax_named: the ResNet) is mapped
+    by those, in module order."""
+    named = flax_named_layers(sequential)
+    if named:
+        paths = {}
+        for layer, name in named:
+            weight = "kernel" if isinstance(layer, (nn.Conv2d, nn.Linear)) else \
+                "scale" if layer.weight.requires_grad else None
+            for param, leaf in ((layer.weight, weight), (layer.bias, "bias")):
+                if param is not None and leaf is not None:
+                    paths[param] = f"{prefix}{name}/{leaf}"
+        return paths
     counts, paths = {}, {}
 
     def next_name(kind):
@@ -261,8 +403,13 @@ def load_flax_variables(model: nn.Sequential, variables, image_shape) -> nn.Sequ
     """Copies Flax variables ({'params': ..., 'batch_stats': ...}) into a twin, in place.
 
     Flax names layers by kind and order (Conv_0, Dense_1, BatchNorm_2, ConvBlock_0),
-    which is the order of the twin's Sequential.
+    which is the order of the twin's Sequential; a twin whose layers record their
+    Flax paths (the ResNet) is copied by those paths.
     """
+    named = flax_named_layers(model)
+    if named:
+        _copy_named(named, variables["params"], variables.get("batch_stats", {}))
+        return model
     training = model.training
     model.eval()  # the dummy batch must not touch the BatchNorm statistics
     height, width, channels = image_shape

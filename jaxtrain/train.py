@@ -7,6 +7,7 @@ normalises it inside the compiled program; a chunk of steps (an epoch, or
 chunk, not once per step (on the CPU, once per step: see `resolve_loop`).
 Checkpoints are saved between chunks; see jaxtrain/checkpoint.py.
 """
+import copy
 import functools
 import math
 import os
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxtrain import augment, checkpoint, data, models, optim, parallel, report
+from jaxtrain import augment, checkpoint, data, models, optim, parallel, report, user_model
 from jaxtrain.errors import ConfigError, TrainingError
 
 CONFIG_FILE = "config.json"
@@ -78,6 +79,8 @@ def check_config(config) -> None:
                                                                for w in widths),
          "model.widths", widths, "must be a tuple of positive channel counts, e.g. (64, 256, 256)")
     model, opt = config.model, config.optimizer
+    need(model.stem in models.RESNET_STEMS, "model.stem", model.stem,
+         "must be one of " + ", ".join(models.RESNET_STEMS))
     need(model.activation in models.ACTIVATIONS, "model.activation", model.activation,
          "must be one of " + ", ".join(models.ACTIVATIONS))
     need(model.conv_init in models.CONV_INITS, "model.conv_init", model.conv_init,
@@ -454,12 +457,13 @@ def whitening_fn(config, mean, std):
                                      filters=config.model.stem_width))
 
 
-def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
+def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation).
 
     The state is replicated over `mesh` (default: all devices), the data-parallel layout.
     With abstract_state, the state holds only shapes and dtypes (jax.eval_shape): for
     callers that build the state inside their own program, it saves compiling the init.
+    `model`: a Flax Linen or NNX module instance to train instead of model.name's.
     """
     check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
@@ -472,8 +476,14 @@ def setup(config, mesh=None, abstract_state: bool = False) -> Setup:
                           f"split ({len(dataset.x_train)} images)")
     total_steps = (config.train.num_steps if config.train.num_steps > 0
                    else config.train.num_epochs * steps_per_epoch)
-    model = models.create_model(config.model, dataset.num_classes,
-                                PRECISIONS[config.train.precision])
+    if model is not None:
+        model = user_model.from_instance(model)
+    else:
+        try:
+            model = models.create_model(config.model, dataset.num_classes,
+                                        PRECISIONS[config.train.precision])
+        except ValueError as error:  # an unknown or unimportable model.name
+            raise ConfigError(str(error)) from None
     stem_kernel = None
     if models.has_whitened_stem(config.model):
         try:
@@ -591,7 +601,8 @@ class StopRequest:
             signal.signal(sig, previous)
 
 
-def train_and_evaluate(config, workdir: str, *, start_time: float | None = None) -> dict:
+def train_and_evaluate(config, workdir: str, *, model=None,
+                       start_time: float | None = None) -> dict:
     """Trains and evaluates the model the config describes; writes reports to workdir.
 
     Resumes from the newest checkpoint in workdir/checkpoints when there is one.
@@ -600,9 +611,13 @@ def train_and_evaluate(config, workdir: str, *, start_time: float | None = None)
     """
     start_time = time.time() if start_time is None else start_time
     check_config(config)
+    if model is not None:
+        config = copy.deepcopy(config)
+        with config.unlocked():
+            config.model.name = user_model.instance_name(model)
     mesh = parallel.create_mesh()
     check_batch_split(config.train.batch_size, mesh)
-    run = setup(config, mesh)
+    run = setup(config, mesh, model=model)
     main_process = parallel.is_main_process()
     state, data_key = run.state, run.data_key
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep)

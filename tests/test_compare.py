@@ -475,3 +475,190 @@ def test_a_recipe_the_twins_lack_is_refused_before_training(cifar_batches_dir, t
                        match=r"do not implement optimizer.lookahead_steps=5: run --frameworks=jax"):
         compare.run(config, ["jax", "torch_fast"], str(tmp_path))
     assert not list(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+# ---------------------------------------------------------------- ResNet twins
+
+def flax_leaves(tree) -> dict:
+    """'/'-joined path -> leaf."""
+    return {"/".join(k.key for k in path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def random_resnet_variables(model, shape, seed=0, dtype=jnp.float32):
+    """Flax variables drawn with numpy (no init program to compile): kernels N(0, 1/fan_in),
+    and BatchNorm away from its identity (and from the zero scale a branch starts at),
+    so every layer shows in the outputs and the gradients. Drawn in float32 (what
+    load_flax_variables copies exactly), numpy arrays of `dtype`."""
+    rng = np.random.default_rng(seed)
+    draws = {"kernel": lambda s: rng.normal(0, np.sqrt(1 / np.prod(s[:-1])), s),
+             "scale": lambda s: rng.uniform(0.5, 1.5, s), "var": lambda s: rng.uniform(0.5, 1.5, s),
+             "bias": lambda s: rng.normal(0, 0.1, s), "mean": lambda s: rng.normal(0, 0.1, s)}
+    abstract = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
+                              jnp.zeros((1, *shape)))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: draws[path[-1].key](leaf.shape).astype(np.float32).astype(dtype),
+        abstract)
+
+
+def uninitialised_twin(config, classes, shape):
+    """A twin with its memory but not its initialisation (truncated normals for 11M
+    weights take seconds), for load_flax_variables to fill: any value it misses
+    stays garbage and shows."""
+    with torch.device("meta"):
+        twin = torch_models.create_model(config, classes, shape)
+    twin = twin.to_empty(device="cpu")
+    for layer in twin.modules():
+        if isinstance(layer, torch.nn.BatchNorm2d):
+            layer.num_batches_tracked.zero_()
+    return twin
+
+
+@pytest.mark.parametrize("name,classes,stem,shape,expected", [
+    ("resnet18", 10, "cifar", (32, 32, 3), 11_173_962),
+    ("resnet18", 10, "imagenet", (64, 64, 3), 11_181_642),
+    ("resnet18", 10, "auto", (32, 32, 3), 11_173_962),
+    ("resnet34", 1000, "imagenet", (224, 224, 3), 21_797_672),
+    ("resnet50", 1000, "imagenet", (224, 224, 3), 25_557_032),
+    ("resnet50", 10, "cifar", (32, 32, 3), 23_520_842),
+])
+def test_resnet_twin_parameters_are_flaxs(name, classes, stem, shape, expected):
+    """The same count, and every torch parameter at a Flax path of the same shape (what
+    optimizer.groups and load_flax_variables rely on)."""
+    config = model_config(name, stem=stem)
+    model = models.create_model(config, classes, jnp.float32, shape)
+    abstract = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
+                              jnp.zeros((1, *shape)))
+    assert models.count_params(abstract["params"]) == expected
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        twin = torch_models.create_model(config, classes, shape)
+    assert torch_models.count_params(twin) == expected
+    assert sum(p.numel() for p in twin.parameters()) == expected
+    flax_shapes = {path: leaf.shape for path, leaf in flax_leaves(abstract["params"]).items()}
+    paths = torch_models.flax_param_paths(twin)
+    assert sorted(paths.values()) == sorted(flax_shapes)
+    for param, path in paths.items():
+        layout = {4: (3, 2, 0, 1), 2: (1, 0), 1: (0,)}[len(flax_shapes[path])]  # HWIO -> OIHW
+        assert tuple(param.shape) == tuple(flax_shapes[path][i] for i in layout), path
+
+
+def test_resnet_twin_initialisation_is_flaxs():
+    """lecun_normal kernels, zero dense bias, BN weight 1 and bias 0 except the residual
+    branch's last BN weight, 0 (the Flax model's zero_scale)."""
+    twin = torch_models.create_model(model_config("resnet18", stem="cifar"), 10, (32, 32, 3))
+    paths = {path: p.detach() for p, path in torch_models.flax_param_paths(twin).items()}
+    for path, value in paths.items():
+        if path.endswith("/kernel"):
+            fan_in = value[0].numel()
+            assert float(value.abs().max()) <= 2 * np.sqrt(1 / fan_in) / 0.8796 + 1e-6, path
+            if value.numel() > 10_000:
+                assert float(value.std()) == pytest.approx(np.sqrt(1 / fan_in), rel=0.05), path
+        elif path.endswith("/bias"):
+            assert not value.any(), path
+    zero = [path for path, value in paths.items() if path.endswith("/scale") and not value.any()]
+    assert zero == [f"ResNetBlock_{i}/BatchNorm_1/scale" for i in range(8)]
+    ones = [path for path, value in paths.items() if path.endswith("/scale") and value.any()]
+    assert all(bool((paths[path] == 1).all()) for path in ones) and len(ones) == 1 + 8 + 3
+
+
+@pytest.mark.parametrize("stem,size", [("cifar", 32), ("imagenet", 64)])
+def test_resnet_twins_with_copied_weights_compute_the_same_function(stem, size):
+    """Eval mode, BatchNorm statistics and scales away from their initial values: the
+    stems (the imagenet one's padded 7x7 conv and max-pool), strided convs, projections
+    and the pooled head."""
+    shape = (size, size, 3)
+    config = model_config("resnet18", stem=stem)
+    model = models.create_model(config, 10, jnp.float32, shape)
+    variables = random_resnet_variables(model, shape)
+    twin = torch_models.load_flax_variables(uninitialised_twin(config, 10, shape), variables,
+                                            shape)
+    x = np.random.default_rng(1).normal(size=(2, *shape)).astype(np.float32)
+    expected = np.asarray(jax.jit(functools.partial(model.apply, train=False))(variables, x))
+    with torch.no_grad():
+        got = twin.eval()(torch.from_numpy(x).permute(0, 3, 1, 2)).numpy()
+    assert np.abs(expected).max() > 1  # not a near-constant function
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
+    """As test_one_sgd_step_is_the_same_in_both_frameworks, for resnet18 (the cifar stem:
+    no max-pool, whose gradient ties XLA and torch break differently), with a
+    parameter group (no weight decay for BatchNorm and biases, half the learning
+    rate) that the twin must find by its Flax paths.
+
+    In float64, from the same float64 inputs: a ReLU input within rounding of 0
+    sends the gradient one way in XLA and the other in torch. ResNet-18 on 8 images
+    has ~5M ReLU inputs; in float32 the frameworks' activations differ by ~1e-5
+    after a few BatchNorms, and even in float64 the 1-ulp float32 differences of the
+    two normalisations (XLA divides by a constant as a multiply by its reciprocal,
+    and fuses) are enough: such flips hit 8 of 8 random draws in float32 and 3 of 6
+    in float64, moving whole gradients by 1-10%. So the step is train_step's after
+    the normalisation (the other step tests cover that part), on inputs normalised once."""
+    import optax
+
+    config = cifar.get_config()
+    config.model = model_config("resnet18", stem="cifar")
+    config.optimizer.schedule = "constant"
+    config.optimizer.learning_rate = 0.05
+    config.optimizer.momentum = 0.9
+    config.optimizer.nesterov = True
+    config.optimizer.weight_decay = 5e-3
+    config.optimizer.groups.no_decay = default.param_group(
+        r"(.*/)?BatchNorm_\d+/(scale|bias)|Dense_0/bias", weight_decay=0.0, lr_scale=0.5)
+    config.train.label_smoothing = 0.2
+    dataset = data.load("cifar10", "files", str(cifar_batches_dir))
+    mean, std = train.channel_stats(dataset, config)
+    images, labels = dataset.x_train[:8], dataset.y_train[:8]
+    inputs = (images / 255.0 - np.asarray(mean)) / np.asarray(std)  # float64, NHWC
+    shape = dataset.image_shape
+
+    with jax.enable_x64(True):
+        # jaxtrain's step (train.train_step from its normalised inputs on), from random
+        # weights (random_resnet_variables: a zero BN scale leaves its branch no gradient)
+        flax_model = models.create_model(config.model, 10, jnp.float64, shape)
+        variables = random_resnet_variables(flax_model, shape, dtype=np.float64)
+        tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 10))
+        state = jax.jit(lambda v: train.TrainState.create(  # one program, not one per leaf
+            apply_fn=flax_model.apply, params=v["params"], tx=tx,
+            batch_stats=v["batch_stats"]))(variables)
+        targets = optax.smooth_labels(jax.nn.one_hot(labels, 10), config.train.label_smoothing)
+
+        @jax.jit
+        def step(state, inputs, targets):
+            def loss_fn(params):
+                logits, updates = state.apply_fn(
+                    {"params": params, "batch_stats": state.batch_stats}, inputs, train=True,
+                    mutable=["batch_stats"])
+                return optax.softmax_cross_entropy(logits, targets).mean(), updates
+            (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"]), loss
+
+        new_state, flax_loss = jax.device_get(step(state, inputs, targets))
+    old, new = flax_leaves(variables["params"]), flax_leaves(new_state.params)
+    assert new["Conv_0/kernel"].dtype == np.float64
+
+    # the comparison's torch step, from the same weights
+    twin = uninitialised_twin(config.model, 10, shape).double()
+    torch_models.load_flax_variables(twin, variables, shape)  # float32 draws: copied exactly
+    optimizer = torch_optim.create_torch_optimizer(config.optimizer, twin, 10)
+    assert sorted(len(group["params"]) for group in optimizer.param_groups) == [21, 41]
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
+    loss = compare.torch_step(twin, optimizer, criterion,
+                              torch.from_numpy(inputs).permute(0, 3, 1, 2),
+                              torch.from_numpy(labels).long(), 0)
+    assert loss.item() == pytest.approx(float(flax_loss), rel=1e-6)
+
+    for path in ("Conv_0/kernel", "ResNetBlock_7/Conv_1/kernel", "ResNetBlock_0/BatchNorm_1/scale",
+                 "ResNetBlock_2/Conv_2/kernel", "Dense_0/bias"):
+        assert np.abs(new[path] - old[path]).max() > 1e-4, path  # the step moved the weights
+    names = {param: name for name, param in twin.named_parameters()}
+    for param, path in torch_models.flax_param_paths(twin).items():
+        value = new[path]
+        value = value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T
+        np.testing.assert_allclose(param.detach().numpy(), value, rtol=1e-6, atol=1e-8,
+                                   err_msg=f"{names[param]} ({path})")
+    stats = flax_leaves(new_state.batch_stats)
+    for layer, path in torch_models.flax_named_layers(twin):
+        if isinstance(layer, torch.nn.BatchNorm2d):  # running_var: torch's is unbiased
+            np.testing.assert_allclose(layer.running_mean.numpy(), stats[path + "/mean"],
+                                       rtol=1e-6, atol=1e-8, err_msg=path)

@@ -316,3 +316,214 @@ def test_whitening_kernel_checks_its_arguments():
         models.whitening_kernel(images, (0.5,) * 3, (0.25,) * 3, filters=26)
     with pytest.raises(ValueError, match="uint8"):
         models.whitening_kernel(images.astype(np.float32), (0.5,) * 3, (0.25,) * 3, filters=8)
+
+
+# ---------------------------------------------------------------- ResNet
+
+# torchvision's parameter counts (1000 classes, the ImageNet stem); BN statistics are not params
+TORCHVISION_PARAMS = {"resnet18": 11_689_512, "resnet34": 21_797_672, "resnet50": 25_557_032}
+CIFAR_STEM_SAVES = (7 * 7 - 3 * 3) * 3 * 64  # a 3x3 stem conv in place of the 7x7 one
+
+
+def abstract_variables(model, shape):
+    """The variables' shapes and dtypes, without computing them."""
+    return jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
+                          jnp.zeros(shape))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet34", "resnet50"])
+def test_resnet_parameter_counts_are_torchvisions(name):
+    model = models.create_model(model_config(name, stem="imagenet"), 1000, jnp.float32)
+    variables = abstract_variables(model, (1, 224, 224, 3))
+    assert models.count_params(variables["params"]) == TORCHVISION_PARAMS[name]
+    assert models.count_params(variables["batch_stats"]) > 0  # present, and not params
+    cifar = models.create_model(model_config(name, stem="cifar"), 1000, jnp.float32)
+    count = models.count_params(abstract_variables(cifar, (1, 32, 32, 3))["params"])
+    assert count == TORCHVISION_PARAMS[name] - CIFAR_STEM_SAVES
+
+
+def test_resnet18_cifar_stem_at_10_classes_is_the_usual_cifar_resnet18():
+    model = models.create_model(model_config("resnet18", stem="cifar"), 10, jnp.float32)
+    assert models.count_params(abstract_variables(model, (1, 32, 32, 3))["params"]) == 11_173_962
+
+
+def test_resnet_layer_names_and_shapes():
+    model = models.create_model(model_config("resnet18", stem="imagenet"), 10, jnp.float32)
+    params = abstract_variables(model, (1, 64, 64, 3))["params"]
+    assert sorted(params) == ["BatchNorm_0", "Conv_0", "Dense_0"] + [f"ResNetBlock_{i}"
+                                                                       for i in range(8)]
+    assert params["Conv_0"]["kernel"].shape == (7, 7, 3, 64)
+    assert "Conv_2" not in params["ResNetBlock_1"]  # 64 -> 64, stride 1: identity shortcut
+    assert params["ResNetBlock_2"]["Conv_2"]["kernel"].shape == (1, 1, 64, 128)  # projection
+    assert params["ResNetBlock_2"]["BatchNorm_2"]["scale"].shape == (128,)
+    assert params["Dense_0"]["kernel"].shape == (512, 10)
+    model = models.create_model(model_config("resnet50", stem="cifar"), 10, jnp.float32)
+    params = abstract_variables(model, (1, 32, 32, 3))["params"]
+    block = params["BottleneckResNetBlock_0"]  # 64 -> 256 channels: a projection
+    assert [block[f"Conv_{i}"]["kernel"].shape for i in range(4)] == [
+        (1, 1, 64, 64), (3, 3, 64, 64), (1, 1, 64, 256), (1, 1, 64, 256)]
+    assert params["Conv_0"]["kernel"].shape == (3, 3, 3, 64)
+    assert params["Dense_0"]["kernel"].shape == (2048, 10)
+
+
+def block_output_sizes(model, shape):
+    """The logits' shape and each block's output (H, W), traced, not computed."""
+    sizes = []
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if isinstance(context.module, (models.ResNetBlock, models.BottleneckResNetBlock)) \
+                and context.method_name == "__call__":
+            sizes.append(out.shape[1:3])
+        return out
+
+    variables = abstract_variables(model, shape)
+    with nn.intercept_methods(record):
+        logits = jax.eval_shape(functools.partial(model.apply, train=False), variables,
+                                jnp.zeros(shape))
+    return logits, sizes
+
+
+@pytest.mark.parametrize("size,stem,first,last", [
+    (224, "imagenet", 56, 7),  # torchvision's sizes: conv1 112, max-pool 56, ... 7
+    (64, "imagenet", 16, 2),
+    (32, "imagenet", 8, 1),
+    (32, "cifar", 32, 4),
+    (64, "cifar", 64, 8),
+])
+def test_resnet_output_shapes(size, stem, first, last):
+    model = models.create_model(model_config("resnet18", stem=stem), 10, jnp.float32)
+    logits, sizes = block_output_sizes(model, (2, size, size, 3))
+    assert logits.shape == (2, 10) and logits.dtype == jnp.float32
+    assert sizes[0] == (first, first) and sizes[-1] == (last, last)
+    assert [s[0] for s in sizes[::2]] == [first, first // 2, first // 4, last]
+
+
+def test_resnet_auto_stem_is_cifar_up_to_64_pixels():
+    config = model_config("resnet18")
+    assert config.stem == "auto"  # the default
+    for shape, stem in [((32, 32, 3), "cifar"), ((64, 64, 3), "cifar"), ((28, 28, 1), "cifar"),
+                        ((65, 65, 3), "imagenet"), ((224, 224, 3), "imagenet"),
+                        ((64, 96, 3), "imagenet")]:
+        assert models.create_model(config, 10, jnp.float32, shape).stem == stem, shape
+        assert models.resnet_stem("auto", shape) == stem
+    # without the image shape the model decides from its input, by the same rule
+    model = models.create_model(config, 10, jnp.float32)
+    assert model.stem == "auto"
+    for size, kernel in [(64, (3, 3, 3, 64)), (96, (7, 7, 3, 64))]:
+        params = abstract_variables(model, (1, size, size, 3))["params"]
+        assert params["Conv_0"]["kernel"].shape == kernel
+    # an explicit stem wins; configs saved before model.stem existed mean 'auto'
+    assert models.create_model(model_config("resnet18", stem="imagenet"), 10, jnp.float32,
+                               (32, 32, 3)).stem == "imagenet"
+    old = model_config("resnet18").to_dict()
+    del old["stem"]
+    assert models.create_model(ml_collections.ConfigDict(old), 10, jnp.float32,
+                               (32, 32, 3)).stem == "cifar"
+    with pytest.raises(ValueError, match=r"model.stem 'big'.*auto, imagenet, cifar"):
+        models.create_model(model_config("resnet18", stem="big"), 10, jnp.float32, (32, 32, 3))
+    assert models.is_convolutional("resnet50")
+
+
+def test_resnet_initialisation_and_mixed_precision():
+    # a narrow two-stage ResNet: the same code, cheap to initialise for real (an RBG key
+    # compiles in a fraction of the time threefry takes on the CPU)
+    model = models.ResNet(stage_sizes=(1, 1), num_classes=10, stem="cifar", width=4,
+                          dtype=jnp.bfloat16)
+    x = jnp.zeros((2, 8, 8, 3))
+    variables = jax.jit(functools.partial(model.init, train=False))(
+        jax.random.key(0, impl="rbg"), x)
+    assert all(v.dtype == jnp.float32 for v in jax.tree_util.tree_leaves(variables))
+    for block in ("ResNetBlock_0", "ResNetBlock_1"):
+        p = variables["params"][block]
+        assert not np.any(p["BatchNorm_1"]["scale"])  # the residual branch's last BN: 0
+        assert np.all(p["BatchNorm_0"]["scale"] == 1)
+        kernel = p["Conv_0"]["kernel"]
+        assert np.any(kernel) and float(jnp.abs(kernel).max()) <= 2 / np.sqrt(
+            np.prod(kernel.shape[:3])) / 0.8796 + 1e-6  # lecun_normal: cut at 2 std
+    assert np.all(variables["params"]["ResNetBlock_1"]["BatchNorm_2"]["scale"] == 1)  # projection
+    assert "bias" not in variables["params"]["Conv_0"]  # BN follows every conv
+    # bfloat16 compute, float32 logits and statistics (traced, not run)
+    logits, updates = jax.eval_shape(
+        functools.partial(model.apply, train=True, mutable=["batch_stats"]), variables, x)
+    assert logits.shape == (2, 10) and logits.dtype == jnp.float32
+    assert all(s.dtype == jnp.float32 for s in jax.tree_util.tree_leaves(updates))
+    hlo = jax.jit(functools.partial(model.apply, train=False)).lower(variables, x).as_text()
+    assert "bf16" in hlo
+
+
+def random_variables(model, shape, seed=0):
+    """Variables of `model` drawn with numpy (kernels N(0, 1/fan_in), BN at its identity):
+    compiling a full-size ResNet's init takes ~10-20 s on these CPUs, this no time."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = path[-1].key
+        if name == "kernel":
+            return rng.normal(0, np.sqrt(1 / np.prod(leaf.shape[:-1])), leaf.shape)
+        return np.ones(leaf.shape) if name in ("scale", "var") else np.zeros(leaf.shape)
+
+    variables = abstract_variables(model, shape)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: draw(path, leaf).astype(np.float32),
+                                            variables)
+
+
+def steps_on_one_batch(model, tx, images, labels, mean, std, steps=3):
+    """train.train_step `steps` times on the same batch, from random_variables; the losses."""
+    from jaxtrain import train
+
+    variables = random_variables(model, (1, *images.shape[1:]))
+    state = jax.jit(lambda v: train.TrainState.create(  # one program, not one per leaf
+        apply_fn=model.apply, params=v["params"], tx=tx, batch_stats=v["batch_stats"]))(variables)
+    step = jax.jit(functools.partial(train.train_step, mean=mean, std=std, augment_kwargs={},
+                                     num_classes=10, label_smoothing=0.0))
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, images, labels, jax.random.key(i))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_resnet18_trains_on_32px_images(cifar_batches_dir):
+    """train.setup builds it from a config (stem 'auto' settled by the 32 px input), then
+    train.train_step on 8 real images. setup's abstract state skips compiling the init;
+    train.train_and_evaluate runs the same pieces (measured: ~35 s here, most of it that
+    init, so it is not repeated in this test)."""
+    import optax
+
+    from configs import cifar
+    from jaxtrain import optim, train
+
+    config = cifar.get_config()
+    config.data.dir = str(cifar_batches_dir)
+    config.data.source = "files"
+    config.model.name = "resnet18"
+    config.train.batch_size = 8
+    config.train.precision = "float32"
+    run = train.setup(config, abstract_state=True)
+    assert models.count_params(run.state.params) == 11_173_962  # the cifar stem
+    assert run.state.params["Conv_0"]["kernel"].shape == (3, 3, 3, 64)
+    assert models.is_convolutional(config.model.name)  # the CPU's per-step loop
+    opt = config.optimizer
+    opt.schedule, opt.learning_rate = "constant", 0.01
+    tx = optim.create_optimizer(opt, optax.constant_schedule(opt.learning_rate))
+    losses = steps_on_one_batch(run.model, tx, run.dataset.x_train[:8],
+                                run.dataset.y_train[:8], run.mean, run.std)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_resnet18_trains_on_64px_images():
+    import optax
+
+    from jaxtrain import optim
+
+    model = models.create_model(model_config("resnet18"), 10, jnp.float32, (64, 64, 3))
+    assert model.stem == "cifar"  # 'auto', 64 px
+    opt = default.get_config().optimizer
+    opt.learning_rate, opt.momentum = 0.01, 0.9
+    tx = optim.create_optimizer(opt, optax.constant_schedule(opt.learning_rate))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
+    labels = np.arange(4, dtype=np.int32)
+    losses = steps_on_one_batch(model, tx, images, labels, (0.5,) * 3, (0.25,) * 3)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
