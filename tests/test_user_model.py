@@ -46,10 +46,9 @@ def small_config(data_dir, name, **overrides):
                                    **overrides})
 
 
-@pytest.mark.parametrize("name", ["mynets:TinyNet", "mynets:TinyNNX"])
 def test_an_imported_model_trains_and_restores_in_a_fresh_process(mynets, cifar_batches_dir,
-                                                                  tmp_path, name):
-    config = small_config(cifar_batches_dir, name)
+                                                                  tmp_path):
+    config = small_config(cifar_batches_dir, "mynets:TinyNNX")  # NNX, through Flax's bridge
     summary = jaxtrain.train_and_evaluate(config, str(tmp_path))
     assert summary["steps"] == 30 and np.isfinite(summary["test_loss"])
     # TinyNet: conv 3->16 and 16->32 (3x3, with bias), BatchNorm scale+bias, dense 32->10
@@ -69,6 +68,8 @@ def test_a_module_instance_trains_through_the_python_api(mynets, cifar_batches_d
     import mynets as example
 
     config = small_config(cifar_batches_dir, "cifar_cnn", train__num_steps=10)
+    assert models.create_model(small_config("/nowhere", "mynets:TinyNet").model, 10,
+                               np.float32).width == 16  # the Linen class, by name
     for i, module in enumerate((example.TinyNet(num_classes=10, width=8),
                                 example.TinyNNX(num_classes=10, width=8, rngs=nnx.Rngs(0)))):
         summary = jaxtrain.train_and_evaluate(config, str(tmp_path / str(i)), model=module)
