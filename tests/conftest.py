@@ -86,6 +86,17 @@ def write_tar(archive, members):
     return Path(archive)
 
 
+# The longest tests (a minute or more each on a 2-core CI machine) start first, so that
+# with two workers (-n 2 --dist worksteal) the rest fill in around them instead of one
+# of them running alone at the end.
+LONGEST_FIRST = ('test_h200.py', 'test_parallel.py', 'test_checkpoint.py')
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable
+
+
 @pytest.fixture(scope='session', autouse=True)
 def no_internet_downloads():
     """data.source='auto' downloads what it cannot find: in tests, from a closed local
