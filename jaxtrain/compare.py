@@ -27,10 +27,9 @@ import time
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import data, models, optim, report, train, user_model
+from jaxtrain import data, models, report, train, user_model
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
 JSON_FILE = "compare.json"
