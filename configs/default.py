@@ -19,7 +19,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.data.image_size = 0       # folder: resize to this many pixels square (0: keep; all one size)
     config.data.resize = "crop"      # folder: 'crop' (short side, then centre crop) | 'exact'
     config.data.channels = 3         # folder: 3 (RGB) | 1 (grey); every mode is converted
-    config.data.workers = 0          # folder: decoding processes (0: one per core)
+    config.data.workers = 0          # folder: decoding processes, or streamed: Grain workers (0: one per core)
+    config.data.placement = "auto"   # 'device' (whole uint8 train split on every device) | 'stream' (Grain reads
+                                     # batches on the host) | 'auto' (device when it fits in device_fraction)
+    config.data.device_fraction = 0.5  # auto: the share of one device's memory the train split may take
     config.data.mean = ()            # per-channel, in [0, 1]; () = computed from the training split
     config.data.std = ()
 
@@ -69,6 +72,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.pad_mode = "reflect"  # 'reflect' | 'constant' (zeros), for translate and TTA
     config.augment.rotate = 0.0      # random rotation up to this many degrees
     config.augment.cutout = 0        # side of one random black square; 0 = off
+    config.augment.crop = "none"     # 'random_resized' (streamed folders: ImageNet-style crop + flip on the host) | 'none'
+    config.augment.crop_scale = (0.08, 1.0)  # random_resized: share of the image's area
+    config.augment.crop_ratio = (3 / 4, 4 / 3)  # random_resized: aspect ratio range (log-uniform)
 
     config.train = ml_collections.ConfigDict()
     config.train.batch_size = 128

@@ -1,12 +1,27 @@
-"""jaxtrain: fast, ordinary training of Flax models on GPUs."""
-from jaxtrain import parallel
-from jaxtrain.checkpoint import CheckpointError
-from jaxtrain.data import DataError, Dataset, load
-from jaxtrain.inference import Classifier, restore
-from jaxtrain.parallel import DistributedError
-from jaxtrain.train import (ConfigError, Interrupted, TrainingError, evaluate_checkpoint,
-                            train_and_evaluate)
+"""jaxtrain: fast, ordinary training of Flax models on GPUs.
 
-__all__ = ["CheckpointError", "Classifier", "ConfigError", "DataError", "Dataset",
-           "DistributedError", "Interrupted", "TrainingError", "evaluate_checkpoint", "load",
-           "parallel", "restore", "train_and_evaluate"]
+The names below are imported on first use: a Grain worker process that only
+reads data (jaxtrain.input) then never imports Flax, optax or the models.
+"""
+import importlib
+
+_EXPORTS = {
+    "CheckpointError": "jaxtrain.checkpoint", "Classifier": "jaxtrain.inference",
+    "ConfigError": "jaxtrain.errors", "DataError": "jaxtrain.data", "Dataset": "jaxtrain.data",
+    "DistributedError": "jaxtrain.parallel", "Interrupted": "jaxtrain.train",
+    "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.train",
+    "load": "jaxtrain.data", "restore": "jaxtrain.inference",
+    "train_and_evaluate": "jaxtrain.train",
+}
+__all__ = sorted([*_EXPORTS, "parallel"])
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name == "parallel":
+        value = importlib.import_module("jaxtrain.parallel")
+    else:
+        raise AttributeError(f"module 'jaxtrain' has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -116,6 +116,22 @@ def random_cutout(images, key, size: int):
     return jnp.where(hole[..., None], jnp.zeros_like(images), images)
 
 
+HOST_CROPS = ("none", "random_resized")  # augment.crop
+DEVICE_KEYS = ("flip", "alternate_flip", "translate", "rotate", "cutout", "pad_mode")
+
+
+def device_kwargs(augment_config) -> dict:
+    """The `augment` block's on-device part, as augment_batch's keyword arguments.
+
+    A host crop (augment.crop='random_resized', streamed image folders) also
+    mirrors on the host, so the device then does not flip again.
+    """
+    kwargs = {key: augment_config[key] for key in DEVICE_KEYS}
+    if augment_config.get("crop", "none") != "none":
+        kwargs.update(flip=False, alternate_flip=False)
+    return kwargs
+
+
 def augment_batch(images, key, *, flip: bool = False, alternate_flip: bool = False,
                   translate: int = 0, rotate: float = 0.0, cutout: int = 0,
                   pad_mode: str = "reflect", mirror=None):

@@ -4,6 +4,8 @@ A checkpoint is a plain Orbax CheckpointManager step directory under
 WORKDIR/checkpoints/<step>/ with two items:
   state: {params, batch_stats, opt_state, step, rng} as an Orbax standard pytree
   meta:  JSON {step, epoch, step_in_epoch, seed}: the data-order position
+  input: (streamed runs) the Grain iterator's state, one JSON file per process,
+         written by Grain's own Orbax CheckpointHandler
 Nothing in it is pickled.
 """
 import hashlib
@@ -25,12 +27,16 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
 
 
-def create_manager(directory: str, keep: int = 3, create: bool = True):
-    """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`."""
+def create_manager(directory: str, keep: int = 3, create: bool = True, stream: bool = False):
+    """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`;
+    `stream`: it also holds the Grain input iterator's state."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"cannot use {directory} for checkpoints: it is not a directory")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    if stream:
+        import grain  # only streaming runs pay for the import
+        handlers["input"] = grain.checkpoint.CheckpointHandler()
     try:
         return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     except OSError as error:
@@ -44,12 +50,16 @@ def state_tree(state, rng) -> dict:
             "rng": jax.random.key_data(rng)}
 
 
-def save(manager, state, rng, meta: dict) -> None:
-    """Starts an asynchronous save of the state at its step; raises CheckpointError on failure."""
+def save(manager, state, rng, meta: dict, input_state=None) -> None:
+    """Starts an asynchronous save of the state at its step; raises CheckpointError on failure.
+    input_state: a Grain iterator (or its frozen state) to save beside it."""
     step = int(state.step)
+    items = {"state": ocp.args.StandardSave(state_tree(state, rng)), "meta": ocp.args.JsonSave(meta)}
+    if input_state is not None:
+        import grain
+        items["input"] = grain.checkpoint.CheckpointSave(input_state)
     try:
-        manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state_tree(state, rng)), meta=ocp.args.JsonSave(meta)))
+        manager.save(step, args=ocp.args.Composite(**items))
     except OSError as error:
         raise CheckpointError(f"saving the checkpoint of step {step} in {manager.directory} "
                               f"failed: {error}; earlier checkpoints are untouched") from error
@@ -126,6 +136,18 @@ def restore(manager, state, rng, step: int | None = None):
         raise CheckpointError(f"no readable checkpoint in {manager.directory} "
                               f"(tried steps {steps})")
     return None
+
+
+def restore_input(manager, step: int, iterator) -> None:
+    """Sets a Grain iterator to the state saved with checkpoint `step`."""
+    import grain
+    try:
+        manager.restore(step, args=ocp.args.Composite(
+            input=grain.checkpoint.CheckpointRestore(iterator)))
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {manager.directory}/{step}: its data iterator state "
+                              f"cannot be restored ({type(error).__name__}: {error}); delete "
+                              "the checkpoint to resume from the one before") from error
 
 
 def read_meta(manager, step: int | None = None) -> dict:

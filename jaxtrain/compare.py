@@ -29,6 +29,7 @@ import warnings
 import jax
 import numpy as np
 
+from jaxtrain import augment as augment_lib
 from jaxtrain import data, models, report, train, user_model
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
@@ -59,6 +60,10 @@ def torch_unsupported(config) -> list[str]:
         found.append(f"model.name={config.model.name!r} (your own model has no PyTorch twin)")
     if config.optimizer.lookahead_steps:
         found.append(f"optimizer.lookahead_steps={config.optimizer.lookahead_steps!r}")
+    if config.augment.crop != "none":
+        found.append(f"augment.crop={config.augment.crop!r}")
+    if config.data.placement == "stream":
+        found.append("data.placement='stream' (the twins train from arrays in memory)")
     return found
 
 
@@ -247,7 +252,8 @@ def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=
                                                stem_kernel)
     batch_size = config.train.batch_size
     transform = functools.partial(torch_models.article_transform,
-                                  augment=config.augment.to_dict(), mean=mean, std=std)
+                                  augment=augment_lib.device_kwargs(config.augment), mean=mean,
+                                  std=std)
     train_set = ArticleDataset(dataset.x_train, dataset.y_train, transform,
                                first_epoch_flips(config, len(dataset.x_train)))
     trainloader = torch.utils.data.DataLoader(train_set, batch_size=batch_size, shuffle=True,
@@ -308,7 +314,7 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     y_train = torch.from_numpy(dataset.y_train).long().to(device)
     x_test = torch.from_numpy(dataset.x_test).to(device)
     y_test = torch.from_numpy(dataset.y_test).long().to(device)
-    augment = config.augment.to_dict()
+    augment = augment_lib.device_kwargs(config.augment)
     bfloat16 = config.train.precision == "bfloat16"
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
     batch_size, eval_batch = config.train.batch_size, config.eval.batch_size

@@ -24,7 +24,8 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxtrain import augment, checkpoint, data, models, optim, parallel, report, user_model
+from jaxtrain import augment, checkpoint, data, input, models, optim, parallel, report, user_model
+from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError, TrainingError
 
 CONFIG_FILE = "config.json"
@@ -115,6 +116,24 @@ def check_config(config) -> None:
     need(dc.channels in (1, 3), "data.channels", dc.channels, "must be 3 (RGB) or 1 (grey)")
     need(isinstance(dc.workers, int) and dc.workers >= 0, "data.workers", dc.workers,
          "must be an int >= 0 (0: one per core)")
+    need(dc.placement in input.PLACEMENTS, "data.placement", dc.placement,
+         "must be one of " + ", ".join(input.PLACEMENTS))
+    need(0 < dc.device_fraction <= 1, "data.device_fraction", dc.device_fraction,
+         "must be in (0, 1]")
+    aug = config.augment
+    need(aug.crop in augment.HOST_CROPS, "augment.crop", aug.crop,
+         "must be one of " + ", ".join(augment.HOST_CROPS))
+    if aug.crop != "none":
+        need(dc.name == "folder" and dc.placement == "stream", "augment.crop", aug.crop,
+             "needs data.name='folder' and data.placement='stream' (it crops the original "
+             "files while streaming)")
+        need(dc.image_size > 0, "augment.crop", aug.crop, "needs data.image_size > 0")
+    lo, hi = tuple(aug.crop_scale)
+    need(0 < lo <= hi <= 1, "augment.crop_scale", tuple(aug.crop_scale),
+         "must be (low, high) with 0 < low <= high <= 1")
+    lo, hi = tuple(aug.crop_ratio)
+    need(0 < lo <= hi, "augment.crop_ratio", tuple(aug.crop_ratio),
+         "must be (low, high) with 0 < low <= high")
     for key in ("mean", "std"):
         value = tuple(config.data[key])
         need(len(value) == 0 or all(isinstance(v, (int, float)) for v in value), f"data.{key}",
@@ -181,7 +200,7 @@ def epoch_order(key, epoch, num_examples: int, alternate_flip: bool = False):
     """(order, augment_key, flips) of an epoch, derived from (key, epoch) alone, so any
     step of any epoch can be rerun or resumed exactly. flips: which images to mirror
     (augment.alternating_flips) with alternate_flip, else None."""
-    order_key, augment_key = jax.random.split(jax.random.fold_in(key, epoch))
+    order_key, augment_key = input.epoch_keys(key, epoch)
     flips = augment.alternating_flips(key, epoch, num_examples) if alternate_flip else None
     return jax.random.permutation(order_key, num_examples), augment_key, flips
 
@@ -200,6 +219,20 @@ def train_step_at(state, step, x_train, y_train, order, augment_key, flips=None,
     mirror = None if flips is None else flips[indices]
     return train_step(state, x_train[indices], y_train[indices],
                       jax.random.fold_in(augment_key, step), mirror, **step_kwargs)
+
+
+def train_step_streamed(state, images, labels, indices, data_key, epoch, step, *,
+                        num_examples: int, batch_size=None, batch_sharding=None, **step_kwargs):
+    """Step `step` of `epoch` on a streamed batch (input.Stream): the key and the flip
+    bits are those train_step_at derives, so both paths take the same step.
+    `indices`: the batch's training-image indices."""
+    del batch_size, batch_sharding  # the batch arrives whole and already laid out
+    _, augment_key = input.epoch_keys(data_key, epoch)
+    mirror = None
+    if alternates_flip(step_kwargs["augment_kwargs"]):
+        mirror = augment.alternating_flips(data_key, epoch, num_examples)[indices]
+    return train_step(state, images, labels, jax.random.fold_in(augment_key, step), mirror,
+                      **step_kwargs)
 
 
 def summarize_chunk(steps, metrics):
@@ -314,8 +347,13 @@ def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
     channels = dataset.image_shape[-1]
     if not mean or not std:
         # from each channel's histogram of byte values: exact, and ~10x faster than
-        # numpy's mean and std over axes (0, 1, 2) of a uint8 array
-        pixels = dataset.x_train.reshape(-1, channels)
+        # numpy's mean and std over axes (0, 1, 2) of a uint8 array. A streamed
+        # folder: from STATS_IMAGES images spread evenly over it.
+        images = dataset.x_train
+        if not isinstance(images, np.ndarray):
+            images = images[np.linspace(0, len(images) - 1, min(len(images), STATS_IMAGES),
+                                        dtype=np.int64)]
+        pixels = images.reshape(-1, channels)
         values = np.arange(256, dtype=np.float64) / 255.0
         counts = [np.bincount(pixels[:, c], minlength=256) for c in range(channels)]
         means = [float(values @ n / n.sum()) for n in counts]
@@ -326,6 +364,9 @@ def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
             raise ConfigError(f"config.{key}={value!r}: needs 1 or {channels} values "
                               f"for {channels}-channel images")
     return mean, std
+
+
+STATS_IMAGES = 2048  # a streamed folder's mean and std come from this many of its images
 
 
 def plan_chunks(total_steps: int, steps_per_epoch: int, log_every_steps: int,
@@ -418,6 +459,33 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
     return run_chunk
 
 
+def compile_stream_chunks(state, stream, data_key, num_examples: int, step_kwargs,
+                          out_sharding=None):
+    """compile_chunks for streamed data: one compiled train_step_streamed per step, fed by
+    `stream` (input.Stream). Its batches are put on the devices ahead of time, and
+    each step is dispatched without waiting for the one before, so reading the next
+    batch overlaps the running step. Same run_chunk signature as compile_chunks."""
+    step_fn = jax.jit(functools.partial(train_step_streamed, num_examples=num_examples,
+                                        **step_kwargs),
+                      donate_argnums=0, out_shardings=out_sharding)
+    step_fn = step_fn.lower(state, *stream.batch_spec(), data_key, np.int32(0),
+                            np.int32(0)).compile()
+
+    def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
+        stream.seek(epoch * stream.source.steps_per_epoch + first_step)
+        metrics = []
+        for step in range(first_step, first_step + num_steps):
+            state, step_metrics = step_fn(state, *stream.next(), data_key, np.int32(epoch),
+                                          np.int32(step))
+            metrics.append(step_metrics)
+            if should_stop is not None and should_stop():
+                break
+        stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
+        steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
+        return state, summarize_chunk(steps, stacked)
+    return run_chunk
+
+
 def timed(fn, *args):
     """Calls fn and waits for its results; returns (results on host, seconds)."""
     start = time.perf_counter()
@@ -429,6 +497,8 @@ class Setup(NamedTuple):
     """Everything a run derives from its config before the first step."""
     mesh: Any
     dataset: data.Dataset
+    placement: str  # 'device' or 'stream' (input.py)
+    placement_reason: str
     model: Any
     stem_kernel: Any  # None, or the whitened stem's fixed weights (None with abstract_state)
     mean: tuple
@@ -467,7 +537,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
     """
     check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
-    dataset = data.load_config(config.data)
+    dataset, placement, placement_reason = input.load(config.data)
     mean, std = channel_stats(dataset, config)
     batch_size = config.train.batch_size
     steps_per_epoch = len(dataset.x_train) // batch_size
@@ -506,8 +576,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
                              image_shape=dataset.image_shape, sharding=replicated,
                              stem_kernel=stem_kernel)
     state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
-    return Setup(mesh, dataset, model, stem_kernel, mean, std, schedule, state, data_key,
-                 steps_per_epoch, total_steps)
+    return Setup(mesh, dataset, placement, placement_reason, model, stem_kernel, mean, std,
+                 schedule, state, data_key, steps_per_epoch, total_steps)
 
 
 def put_eval_data(config, run: Setup):
@@ -521,7 +591,7 @@ def step_arguments(config, run: Setup) -> dict:
     """The static keyword arguments of train_step_at (and train_epoch_chunk) for this run."""
     return dict(batch_size=config.train.batch_size,
                 batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
-                augment_kwargs=config.augment.to_dict(), num_classes=run.dataset.num_classes,
+                augment_kwargs=augment.device_kwargs(config.augment), num_classes=run.dataset.num_classes,
                 label_smoothing=config.train.label_smoothing,
                 skip_nonfinite=config.train.nonfinite == "skip")
 
@@ -620,7 +690,9 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     run = setup(config, mesh, model=model)
     main_process = parallel.is_main_process()
     state, data_key = run.state, run.data_key
-    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep)
+    streaming = run.placement == "stream"
+    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
+                                        stream=streaming)
     restored = checkpoint.restore(manager, state, data_key)
     train_seconds = eval_seconds = 0.0
     if restored is not None:
@@ -631,7 +703,6 @@ def train_and_evaluate(config, workdir: str, *, model=None,
         report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
 
     replicated = parallel.replicated(run.mesh)
-    x_train, y_train = put_train_data(run)
     eval_arrays = put_eval_data(config, run)
     step_kwargs = step_arguments(config, run)
     every_save = save_interval(config, run.steps_per_epoch)
@@ -639,9 +710,20 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                        every_save, start_step)
 
     compile_start = time.perf_counter()
-    loop = resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
-    run_chunk = compile_chunks(loop, state, x_train, y_train, data_key,
-                               {length for _, _, length in plan}, step_kwargs, replicated)
+    stream = None
+    if streaming:
+        stream = open_stream(config, run, data_key)
+        if restored is not None and start_step < run.total_steps:
+            resume_stream(stream, manager, meta, start_step)
+        elif start_step < run.total_steps:
+            stream.open(start_step)  # workers start now, not in the first timed chunk
+        run_chunk = compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
+                                          step_kwargs, replicated)
+    else:
+        x_train, y_train = put_train_data(run)
+        loop = resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+        run_chunk = compile_chunks(loop, state, x_train, y_train, data_key,
+                                   {length for _, _, length in plan}, step_kwargs, replicated)
     eval_fn = compile_eval(config, run, state, eval_arrays)
     compile_seconds = time.perf_counter() - compile_start
 
@@ -651,22 +733,31 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
+    reporter.print_line(f"data on the {'devices' if run.placement == 'device' else 'host, streamed'}"
+                        f": {run.placement_reason}"
+                        + (f"; {stream.workers} Grain workers" if streaming and stream.workers
+                           else ""))
     if restored is not None:
         reporter.print_line(f"resumed from checkpoint step {start_step} "
                             f"({manager.directory}/{start_step})")
     step = start_step
     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
     test_metrics = None
+    wait_seconds = chunk_seconds = 0.0
     record = reporter.records[-1] if reporter.records else {}
     # One process alone may not stop mid-chunk: the others would wait for it forever.
     single_process = jax.process_count() == 1
     try:
         with StopRequest() as stop:
             for epoch, first_step, length in plan:
+                waited = stream.wait_seconds if streaming else 0.0
                 (state, metrics), seconds = timed(run_chunk, state, data_key, epoch,
                                                   first_step, length,
                                                   stop if single_process else None)
                 train_seconds += seconds
+                chunk_wait = stream.wait_seconds - waited if streaming else 0.0
+                wait_seconds += chunk_wait
+                chunk_seconds += seconds
                 metrics = jax.device_get(metrics)
                 if metrics["nonfinite_step"] >= 0 and config.train.nonfinite == "stop":
                     bad = epoch * run.steps_per_epoch + int(metrics["nonfinite_step"])
@@ -683,7 +774,8 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                 record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4),
                           "train_loss": float(metrics["loss"]),
                           "train_accuracy": float(metrics["accuracy"]),
-                          "learning_rate": float(run.schedule(step - 1))}
+                          "learning_rate": float(run.schedule(step - 1)),
+                          "input_wait_fraction": round(chunk_wait / max(seconds, 1e-9), 4)}
                 if metrics["nonfinite_steps"]:
                     record["skipped_steps"] = int(metrics["nonfinite_steps"])
                 epoch_done = step % run.steps_per_epoch == 0
@@ -705,13 +797,18 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
                 stopping = parallel.any_process(stop())
                 if last or stopping or (every_save > 0 and step % every_save == 0):
-                    checkpoint.save(manager, state, data_key, checkpoint_meta(
-                        run, config, state, train_seconds, eval_seconds))
+                    meta, input_state = checkpoint_meta(
+                        run, config, state, train_seconds, eval_seconds), None
+                    if streaming:
+                        meta["input"], input_state = stream.checkpoint()
+                    checkpoint.save(manager, state, data_key, meta, input_state)
                 if stopping:
                     checkpoint.wait(manager)
                     raise Interrupted(stop.signal or signal.SIGTERM, step, manager.directory)
         checkpoint.wait(manager)
     finally:
+        if stream is not None:
+            stream.close()
         reporter.close()
         manager.close()
 
@@ -727,6 +824,8 @@ def train_and_evaluate(config, workdir: str, *, model=None,
         "train_seconds": train_seconds,
         "eval_seconds": eval_seconds,
         "compile_seconds": compile_seconds,
+        "data_placement": run.placement,
+        "input_wait_fraction": wait_seconds / chunk_seconds if chunk_seconds else 0.0,
         "images_per_second": (run.total_steps * config.train.batch_size
                               / max(train_seconds - eval_seconds, 1e-9)),
         "epochs": run.total_steps / run.steps_per_epoch,
@@ -745,6 +844,38 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     summary["total_seconds"] = time.time() - start_time
     reporter.write_summary(summary)
     return summary
+
+
+def open_stream(config, run: Setup, data_key) -> input.Stream:
+    """The training split as an input.Stream for this run: Grain worker processes for
+    a folder (data.workers, 0: one per core), threads for arrays already in memory."""
+    images = run.dataset.x_train
+    workers = 0
+    if isinstance(images, folder_stream.FolderImages):
+        workers = config.data.workers or folder_stream.folder._cpu_count()
+        if config.augment.crop != "none":
+            images = images.with_random_crop(config.seed, config.augment.crop_scale,
+                                             config.augment.crop_ratio, config.augment.flip)
+    return input.Stream(images, run.dataset.y_train, data_key,
+                        batch_size=config.train.batch_size, steps_per_epoch=run.steps_per_epoch,
+                        total_steps=run.total_steps, sharding=parallel.batch_sharded(run.mesh),
+                        workers=workers)
+
+
+def resume_stream(stream, manager, meta: dict, step: int) -> None:
+    """Positions `stream` at `step`: from the checkpoint's Grain iterator state when it has
+    one (a streamed run's), else (a device-placement checkpoint) by starting to read
+    there."""
+    saved = meta.get("input")
+    if saved is None:
+        stream.open(step)
+        return
+    if saved["position"] != step:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {manager.directory}/{meta['step']}: its data iterator is at step "
+            f"{saved['position']}, its model at step {step}")
+    stream.open(saved["first_step"], restore=(
+        lambda it: checkpoint.restore_input(manager, meta["step"], it), saved["position"]))
 
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:

@@ -168,3 +168,54 @@ def cifar_archive_dir(tmp_path_factory, cifar_batches_dir):
     members.update({f'cifar-10-batches-py/{p.name}': p.read_bytes() for p in sorted(batches.iterdir())})
     write_tar(root / 'cifar-10-python.tar.gz', members)
     return root
+
+
+def write_jpeg_folder(root, npz_path, counts):
+    """root/{train,test}/<class>/NNNNN.jpg: the shared copy's own JPEG files (not re-encoded)
+    of the first counts[split] images of each split."""
+    with np.load(npz_path) as z:
+        header = z['jpeg_header'].tobytes()
+        classes = [str(c) for c in z['classes']]
+        for split, n in counts.items():
+            offsets, scans, labels = (z[f'{split}_offsets'][:n + 1], z[f'{split}_scans'],
+                                      z[f'{split}_labels'][:n])
+            for i in range(n):
+                folder = Path(root) / split / classes[labels[i]]
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f'{i:05d}.jpg').write_bytes(
+                    header + scans[offsets[i]:offsets[i + 1]].tobytes())
+    return Path(root)
+
+
+@pytest.fixture(scope='session')
+def cifar_jpeg_folder(tmp_path_factory, shared_data_dir):
+    """640 training and 100 test images of real CIFAR-10 as JPEG files in class folders."""
+    return write_jpeg_folder(tmp_path_factory.mktemp('cifar_jpeg_folder'),
+                             shared_data_dir / NPZ_NAME, {'train': 640, 'test': 100})
+
+
+@pytest.fixture(scope='session')
+def imagenet_folder(tmp_path_factory):
+    """An ImageNet-layout folder (train/<wnid>/*.JPEG, val/<wnid>/*.JPEG) of real
+    photographs (scikit-image's samples) cut into crops of mixed sizes: 4 classes,
+    8 training and 2 validation images each."""
+    import skimage
+    from PIL import Image
+
+    photos = Path(skimage.__file__).parent / 'data'
+    sources = [Image.open(photos / name).convert('RGB')
+               for name in ('astronaut.png', 'coffee.png', 'chelsea.png', 'rocket.jpg')]
+    rng = np.random.default_rng(0)
+    root = tmp_path_factory.mktemp('imagenet')
+    for label, photo in enumerate(sources):
+        wnid = f'n0{1440764 + label}'
+        for split, n in (('train', 8), ('val', 2)):
+            folder = root / split / wnid
+            folder.mkdir(parents=True)
+            for i in range(n):
+                w, h = photo.size
+                cw, ch = int(rng.integers(w // 3, w)), int(rng.integers(h // 3, h))
+                left, top = int(rng.integers(0, w - cw)), int(rng.integers(0, h - ch))
+                photo.crop((left, top, left + cw, top + ch)).save(
+                    folder / f'{wnid}_{i}.JPEG', quality=85)
+    return root
