@@ -3,6 +3,7 @@
     python -m jaxtrain.bench --config=configs/cifar_speedrun.py --runs=10 [--json=FILE]
         [--devices=N] [--compilation_cache=DIR] [--whole_process]
     python -m jaxtrain.bench --config=configs/cifar.py --inspect [--profile=DIR] [--json=FILE]
+    python -m jaxtrain.bench --config=configs/imagenet_resnet50.py --input-only [--batches=N]
 
 The benchmark times what the public PyTorch speedruns time: from the first
 training step to the final test accuracy, data already on the device,
@@ -26,6 +27,12 @@ XLA made of it: kernels launched (fusions, library calls, copies, collectives),
 FLOPs and bytes from XLA's cost analysis, then times the step to give achieved
 TFLOP/s and the fraction of the device's bfloat16 peak. --profile=DIR adds a
 jax.profiler trace of those steps and the ten XLA ops that took the most time.
+
+--input-only times the streaming input pipeline alone (data.placement='stream',
+whatever the config says): the config's batches read, decoded, augmented on
+the host and put on the devices, with no training step, so its images/s is
+the most a streamed run could train at. The first batch (worker start-up) is
+timed apart.
 """
 import os
 import time
@@ -399,6 +406,10 @@ def main(argv):
         if FLAGS.inspect and (FLAGS["devices"].present or FLAGS.whole_process):
             raise UsageError("--devices and --whole_process are for the benchmark; --inspect "
                              "compiles for every device")
+        input_only_flag = FLAGS["input-only"].value
+        if input_only_flag and (FLAGS.inspect or FLAGS.whole_process):
+            raise UsageError("--input-only times the input pipeline alone; drop --inspect "
+                             "and --whole_process")
         if FLAGS.profile and not FLAGS.inspect:
             raise UsageError("--profile traces the steps --inspect compiles; add --inspect")
         if FLAGS.whole_process:
@@ -409,7 +420,9 @@ def main(argv):
             if FLAGS.compilation_cache:
                 enable_compilation_cache(FLAGS.compilation_cache)
             parallel.initialize(*distributed)
-            if FLAGS.inspect:
+            if input_only_flag:
+                result = input_only(FLAGS.config, FLAGS.batches)
+            elif FLAGS.inspect:
                 result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile)
                 if parallel.is_main_process():
                     print_inspection(result, config_flags.get_config_filename(FLAGS["config"]))
@@ -422,6 +435,39 @@ def main(argv):
     # (--whole_process: this process asks no device anything, not even its process index)
     if FLAGS.json and (FLAGS.whole_process or parallel.is_main_process()):
         report.write_json_atomically(FLAGS.json, result)
+
+
+def input_only(config, batches: int = 50, stream=sys.stdout) -> dict:
+    """Reads `batches` batches (after a first, untimed one) through the config's stream."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.placement = "stream"
+    run = train.setup(config, abstract_state=True)
+    train.check_batch_split(config.train.batch_size, run.mesh)
+    source = train.open_stream(config, run, run.data_key)
+    try:
+        start = time.perf_counter()
+        source.open(0)
+        jax.block_until_ready(source.next())
+        first_seconds = time.perf_counter() - start
+        source.wait_seconds = 0.0
+        start = time.perf_counter()
+        for _ in range(batches):
+            jax.block_until_ready(source.next())
+        seconds = time.perf_counter() - start
+    finally:
+        source.close()
+    result = {"images_per_second": batches * config.train.batch_size / seconds,
+              "batches": batches, "batch_size": config.train.batch_size, "seconds": seconds,
+              "first_batch_seconds": first_seconds, "workers": source.workers,
+              "image_shape": list(source.image_shape), "augment_crop": config.augment.crop,
+              "dataset": run.dataset.origin, "device_kind": jax.devices()[0].device_kind}
+    if parallel.is_main_process():
+        print(f"input only: {result['images_per_second']:,.0f} images/s ({batches} batches of "
+              f"{config.train.batch_size}, {tuple(source.image_shape)}, "
+              f"{source.workers or 'no'} worker processes, crop {config.augment.crop!r}); "
+              f"first batch after {first_seconds:.2f} s", file=stream, flush=True)
+    return result
 
 
 def define_flags():
@@ -445,6 +491,9 @@ def define_flags():
     flags.DEFINE_bool("inspect", False, "Report XLA kernels, FLOPs and speed of one train "
                       "step instead of benchmarking.")
     flags.DEFINE_integer("steps", 10, "--inspect: steps to time.", lower_bound=1)
+    flags.DEFINE_bool("input-only", False, "Time the streaming input pipeline alone "
+                      "(images/s read, decoded and put on the devices; no training).")
+    flags.DEFINE_integer("batches", 50, "--input-only: batches to time.", lower_bound=1)
     flags.DEFINE_string("profile", None, "--inspect: also trace one chunk of --steps steps "
                         "with jax.profiler into this folder (TensorBoard, Perfetto) and list "
                         "the ten XLA ops that took the most time.")

@@ -319,3 +319,18 @@ def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path
     assert summary["steps"] == 3 and summary["data_placement"] == "stream"
     assert np.isfinite(summary["test_loss"])
     assert [r["step"] for r in report.read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+def test_bench_input_only_times_the_loader_alone(cifar_jpeg_folder, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.bench", "--config=configs/imagenet_resnet50.py",
+         "--input-only", "--batches=5", f"--json={tmp_path / 'input.json'}",
+         f"--config.data.dir={cifar_jpeg_folder}", "--config.data.image_size=48",
+         "--config.data.workers=2", "--config.train.batch_size=16"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "input only:" in result.stdout and "2 worker processes" in result.stdout
+    measured = json.loads((tmp_path / "input.json").read_text())
+    assert measured["batches"] == 5 and measured["batch_size"] == 16
+    assert measured["image_shape"] == [48, 48, 3] and measured["augment_crop"] == "random_resized"
+    assert measured["images_per_second"] > 0 and measured["first_batch_seconds"] > 0
