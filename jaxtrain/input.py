@@ -262,10 +262,22 @@ class Stream:
         if self._iterator is None or self.position != step:
             self.open(step)
 
+    def fill(self) -> None:
+        """Waits until the first batches are read (the workers started): called before
+        training's clock starts, so their start-up does not count as waiting for input."""
+        self._fill()
+
     def next(self) -> tuple:
         """The next batch (images, labels, indices) on the devices; the time spent
         waiting for it adds to wait_seconds."""
         start = time.perf_counter()
+        self._fill()
+        self.wait_seconds += time.perf_counter() - start
+        batch, self._state = self._ahead.popleft()
+        self.position += 1
+        return batch
+
+    def _fill(self) -> None:
         failure = None
         try:
             self._read_ahead()
@@ -278,10 +290,6 @@ class Stream:
             # holds (with batches in shared memory) are gone, so close frees them all.
             self.close()
             raise failure
-        self.wait_seconds += time.perf_counter() - start
-        batch, self._state = self._ahead.popleft()
-        self.position += 1
-        return batch
 
     def checkpoint(self) -> tuple[dict, object]:
         """(meta, Grain item) describing the position after the last batch taken."""

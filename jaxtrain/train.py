@@ -716,7 +716,7 @@ def train_and_evaluate(config, workdir: str, *, model=None,
         if restored is not None and start_step < run.total_steps:
             resume_stream(stream, manager, meta, start_step)
         elif start_step < run.total_steps:
-            stream.open(start_step)  # workers start now, not in the first timed chunk
+            stream.open(start_step)
         run_chunk = compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
                                           step_kwargs, replicated)
     else:
@@ -726,6 +726,8 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                                    {length for _, _, length in plan}, step_kwargs, replicated)
     eval_fn = compile_eval(config, run, state, eval_arrays)
     compile_seconds = time.perf_counter() - compile_start
+    if streaming and start_step < run.total_steps:
+        stream.fill()  # the workers started while XLA compiled; their first batches now
 
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
                                write=main_process)
