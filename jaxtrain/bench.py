@@ -84,11 +84,21 @@ def cost(compiled) -> dict:
 
 # ---------------------------------------------------------------- inspection
 
+def device_resident(run, what: str):
+    """`run`, if its training data is on the devices: what these programs time."""
+    if run.placement != "device":
+        raise train.ConfigError(f"{what} times the device-resident data path, but this run "
+                                f"streams ({run.placement_reason}); set "
+                                "--config.data.placement=device, or time the loader with "
+                                "--input-only")
+    return run
+
+
 def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
     """Compiles one train step of `config`, reports its kernels, FLOPs and speed; with
     `profile_dir`, also traces one more chunk of `steps` steps there and lists the XLA ops
     that took the most time."""
-    run = train.setup(config)
+    run = device_resident(train.setup(config), "--inspect")
     train.check_batch_split(config.train.batch_size, run.mesh)
     x_train, y_train = train.put_train_data(run)
     step_kwargs = train.step_arguments(config, run)
@@ -230,7 +240,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
     on the first `devices` devices."""
     mesh = parallel.create_mesh(select_devices(devices))
     train.check_batch_split(config.train.batch_size, mesh)  # before loading any data
-    run = train.setup(config, mesh, abstract_state=True)  # each run initialises in its program
+    run = device_resident(train.setup(config, mesh, abstract_state=True), "the benchmark")
     x_train, y_train = train.put_train_data(run)
     eval_arrays = train.put_eval_data(config, run)
     replicated = parallel.replicated(run.mesh)

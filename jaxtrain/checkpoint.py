@@ -34,13 +34,22 @@ def create_manager(directory: str, keep: int = 3, create: bool = True, stream: b
         raise CheckpointError(f"cannot use {directory} for checkpoints: it is not a directory")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    if stream:
+    if stream or _holds_input_state(directory):  # Orbax warns of items it has no handler for
         import grain  # only streaming runs pay for the import
         handlers["input"] = grain.checkpoint.CheckpointHandler()
     try:
         return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     except OSError as error:
         raise CheckpointError(f"cannot write checkpoints in {directory}: {error}") from error
+
+
+def _holds_input_state(directory: str) -> bool:
+    """Whether a checkpoint in `directory` holds a streamed run's input iterator state."""
+    try:
+        steps = [name for name in os.listdir(directory) if name.isdigit()]
+    except OSError:
+        return False
+    return any(os.path.isdir(os.path.join(directory, step, "input")) for step in steps)
 
 
 def state_tree(state, rng) -> dict:

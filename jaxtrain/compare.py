@@ -446,6 +446,9 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
                                + ": run --frameworks=jax, or compare a recipe without them")
         import_torch()  # fail before any training when torch is missing
     setup = train.setup(config)  # checks the config, loads the data, builds the Flax model
+    if setup.placement == "stream" and any(f != "jax" for f in frameworks):
+        raise CompareError(f"this run streams its data ({setup.placement_reason}); the PyTorch "
+                           "twins train from arrays in memory: run --frameworks=jax")
     dataset, mean, std, total_steps = setup.dataset, setup.mean, setup.std, setup.total_steps
     param_count = models.count_params(setup.state.params)
     print(f"{config.model.name}: {param_count:,} parameters in jaxtrain; {total_steps} steps "

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxtrain
 from configs import cifar_seed_cnn
 from jaxtrain import checkpoint, data, input, parallel, report, train
 from jaxtrain.data import folder_stream
@@ -108,7 +109,8 @@ def device_run(cifar_batches_dir, tmp_path_factory):
         small_config(cifar_batches_dir, data__placement="device"), str(workdir))
 
 
-def test_device_and_stream_end_with_identical_parameters(device_run, cifar_batches_dir, tmp_path):
+def test_device_and_stream_end_with_identical_parameters(device_run, cifar_batches_dir, tmp_path,
+                                                         capfd):
     """The two compiled programs differ (a gather inside the step, or a batch passed in),
     yet XLA computes the same bits: params_sha256 is equal, not merely close."""
     _, device = device_run
@@ -123,6 +125,10 @@ def test_device_and_stream_end_with_identical_parameters(device_run, cifar_batch
     rows = report.read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == list(range(10, 61, 10))
     assert all(0.0 <= r["input_wait_fraction"] <= 1.0 for r in rows)
+    capfd.readouterr()
+    restored = jaxtrain.restore(str(tmp_path))  # a checkpoint with the Grain item, read quietly
+    assert restored.step == 60
+    assert "could not be restored" not in capfd.readouterr().err
 
 
 def test_a_streamed_folder_trains_exactly_like_its_decoded_arrays(cifar_jpeg_folder, tmp_path):
