@@ -63,7 +63,8 @@ def save(manager, state, rng, meta: dict, input_state=None) -> None:
     """Starts an asynchronous save of the state at its step; raises CheckpointError on failure.
     input_state: a Grain iterator (or its frozen state) to save beside it."""
     step = int(state.step)
-    items = {"state": ocp.args.StandardSave(state_tree(state, rng)), "meta": ocp.args.JsonSave(meta)}
+    items = {"state": ocp.args.StandardSave(state_tree(state, rng)),
+             "meta": ocp.args.JsonSave(meta)}
     if input_state is not None:
         import grain
         items["input"] = grain.checkpoint.CheckpointSave(input_state)

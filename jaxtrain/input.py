@@ -15,9 +15,10 @@ on the device, so they train on exactly the same batches.
 'auto' picks 'device' when the uint8 training split fits in
 data.device_fraction of one device's memory, else 'stream', and says why.
 
-Resume: the Grain iterator's state goes into the Orbax checkpoint (Grain's
-own CheckpointHandler, one file per process), next to the epoch and the
-step the epoch's iterator started at.
+One Grain pipeline serves the whole run (element g: global step g's batch),
+so worker processes start once. Resume: the Grain iterator's state goes into
+the Orbax checkpoint (Grain's own CheckpointHandler, one file per process),
+next to the step the iterator started at and the step it is at.
 """
 from __future__ import annotations
 
@@ -246,13 +247,13 @@ class Stream:
         # so the read-ahead to the devices is _read_ahead's few lines instead.)
         self._iterator = iter(dataset)
         self._ahead.clear()
-        self._state = self._iterator.get_state()
+        self._state = copy.deepcopy(self._iterator.get_state())
         self.first_step = self.position = first_step
         if restore is not None:
             set_state, self.position = restore
             try:
                 set_state(self._iterator)
-                self._state = self._iterator.get_state()
+                self._state = copy.deepcopy(self._iterator.get_state())
             except BaseException:
                 self.close()
                 raise

@@ -591,7 +591,8 @@ def step_arguments(config, run: Setup) -> dict:
     """The static keyword arguments of train_step_at (and train_epoch_chunk) for this run."""
     return dict(batch_size=config.train.batch_size,
                 batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
-                augment_kwargs=augment.device_kwargs(config.augment), num_classes=run.dataset.num_classes,
+                augment_kwargs=augment.device_kwargs(config.augment),
+                num_classes=run.dataset.num_classes,
                 label_smoothing=config.train.label_smoothing,
                 skip_nonfinite=config.train.nonfinite == "skip")
 
@@ -735,8 +736,8 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
-    reporter.print_line(f"data on the {'devices' if run.placement == 'device' else 'host, streamed'}"
-                        f": {run.placement_reason}"
+    where = "host, streamed" if streaming else "devices"
+    reporter.print_line(f"data on the {where}: {run.placement_reason}"
                         + (f"; {stream.workers} Grain workers" if streaming and stream.workers
                            else ""))
     if restored is not None:

@@ -139,7 +139,8 @@ def _test_split(root, splits, shape, resize, channels, max_pixels, reference, wo
     n_workers = folder._cpu_count() if workers == 0 else workers
     x = folder._decode_all(splits, shape, channels, resize, max_pixels, reference, n_workers,
                            origin)
-    arrays = (x['train'], folder._labels(splits['train']), x['test'], folder._labels(splits['test']))
+    arrays = (x['train'], folder._labels(splits['train']), x['test'],
+              folder._labels(splits['test']))
     if cache_path is not None:
         folder._write_cache(cache_path, key, arrays, class_names)
     return arrays[2], arrays[3]
