@@ -185,10 +185,26 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
     if skip_nonfinite:
         keep = jnp.isfinite(loss)
-        new_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_state,
-                                 state.replace(step=state.step + 1))
+        skipped = state.replace(step=state.step + 1,
+                                opt_state=advance_schedules(state.opt_state))
+        new_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_state, skipped)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     return new_state, {"loss": loss, "accuracy": accuracy}
+
+
+def advance_schedules(opt_state):
+    """`opt_state` with every learning-rate schedule's step count one further: a skipped
+    step keeps the optimiser's moments but uses up its slot of the schedule, so the
+    rate stays that of state.step (the one train.py logs)."""
+    if isinstance(opt_state, optax.ScaleByScheduleState):
+        return opt_state._replace(count=optax.safe_increment(opt_state.count))
+    if isinstance(opt_state, tuple) and hasattr(opt_state, "_fields"):  # other NamedTuples
+        return type(opt_state)(*(advance_schedules(field) for field in opt_state))
+    if isinstance(opt_state, (tuple, list)):
+        return type(opt_state)(advance_schedules(item) for item in opt_state)
+    if isinstance(opt_state, dict):
+        return {key: advance_schedules(value) for key, value in opt_state.items()}
+    return opt_state
 
 
 def alternates_flip(augment_kwargs) -> bool:

@@ -288,6 +288,38 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
                      result, reference)
 
 
+def test_a_skipped_step_uses_up_its_slot_of_the_schedule():
+    """nonfinite='skip': the parameters and moments stay, but the schedule moves on with
+    state.step, so the rate used next is schedule(state.step), the one the log shows."""
+    model_config = default.get_config().model
+    model_config.name, model_config.hidden_sizes = "mlp", (16,)
+    model = train.models.create_model(model_config, 10, jnp.float32)
+    schedule = optax.linear_schedule(0.1, 0.0, 10)
+    tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(schedule, momentum=0.9))
+    state = train.create_train_state(jax.random.key(0), model, tx, (4, 4, 1))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (8, 4, 4, 1), dtype=np.uint8)
+    labels = rng.integers(0, 10, 8).astype(np.int32)
+    kwargs = dict(mean=(0.5,), std=(0.25,), augment_kwargs={}, num_classes=10,
+                  label_smoothing=0.0, skip_nonfinite=True)
+    step = jax.jit(functools.partial(train.train_step, **kwargs))
+    state, _ = step(state, images, labels, jax.random.key(1))
+    bad = jax.jit(functools.partial(train.train_step, **dict(kwargs, std=(0.0,))))  # x / 0
+    skipped, metrics = bad(state, images, labels, jax.random.key(2))
+    assert not np.isfinite(metrics["loss"])
+    assert int(skipped.step) == 2
+    counts = [leaf for leaf in jax.tree.leaves(
+        skipped.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+        if isinstance(leaf, optax.ScaleByScheduleState)]
+    assert [int(c.count) for c in counts] == [2]
+    jax.tree.map(np.testing.assert_array_equal, skipped.params, state.params)
+    momentum = [s for s in jax.tree.leaves(skipped.opt_state, is_leaf=lambda x: isinstance(
+        x, optax.TraceState)) if isinstance(s, optax.TraceState)]
+    before = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(
+        x, optax.TraceState)) if isinstance(s, optax.TraceState)]
+    jax.tree.map(np.testing.assert_array_equal, momentum, before)
+
+
 # ---------------------------------------------------------------- test-time augmentation
 
 MEAN, STD = (0.5,), (0.25,)
