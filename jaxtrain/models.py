@@ -381,6 +381,8 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
                      + ", ".join(RESNETS))
 
 
+MODEL_NAMES = ("seed_cnn", "cifar_cnn", "mlp", *RESNETS)  # model.name's built-in choices
+
 STEM_KERNEL = ("Conv_0", "kernel")  # where cifar_cnn keeps its stem's weights
 STEM_INITS = ("default", "whiten")
 

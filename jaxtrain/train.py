@@ -19,17 +19,16 @@ from typing import Any, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state
 
 from jaxtrain import augment, checkpoint, data, input, models, optim, parallel, report, user_model
 from jaxtrain.data import folder_stream
+from jaxtrain.checks import PRECISIONS, check_config  # noqa: F401  (train.check_config)
 from jaxtrain.errors import ConfigError, TrainingError
 
 CONFIG_FILE = "config.json"
-PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 class Interrupted(TrainingError):
@@ -44,100 +43,6 @@ class Interrupted(TrainingError):
 
 class TrainState(train_state.TrainState):
     batch_stats: Any = None
-
-
-def check_config(config) -> None:
-    """Fails fast, naming the key, on values that would only fail later (or silently)."""
-    def need(ok, key, value, what):
-        if not ok:
-            raise ConfigError(f"config.{key}={value!r}: {what}")
-
-    need(config.train.batch_size > 0, "train.batch_size", config.train.batch_size, "must be > 0")
-    need(config.eval.batch_size > 0, "eval.batch_size", config.eval.batch_size, "must be > 0")
-    need(config.train.num_steps > 0 or config.train.num_epochs > 0, "train.num_epochs",
-         config.train.num_epochs, "must be > 0 when train.num_steps is 0")
-    need(config.train.precision in PRECISIONS, "train.precision", config.train.precision,
-         "must be one of " + ", ".join(PRECISIONS))
-    need(config.train.loop in ("auto", "scan", "python"), "train.loop", config.train.loop,
-         "must be 'auto', 'scan' or 'python'")
-    need(config.train.nonfinite in ("stop", "skip"), "train.nonfinite", config.train.nonfinite,
-         "must be 'stop' or 'skip'")
-    need(config.checkpoint.keep > 0, "checkpoint.keep", config.checkpoint.keep, "must be > 0")
-    need(config.eval.tta in ("none", "flip", "flip_translate"), "eval.tta", config.eval.tta,
-         "must be 'none', 'flip' or 'flip_translate'")
-    need(config.model.stem_init in models.STEM_INITS, "model.stem_init", config.model.stem_init,
-         "must be one of " + ", ".join(models.STEM_INITS))
-    need(config.augment.pad_mode in ("reflect", "constant"), "augment.pad_mode",
-         config.augment.pad_mode, "must be 'reflect' or 'constant'")
-    need(config.optimizer.name in optim.OPTIMIZERS, "optimizer.name", config.optimizer.name,
-         "must be one of " + ", ".join(optim.OPTIMIZERS))
-    need(config.optimizer.schedule in optim.SCHEDULES, "optimizer.schedule",
-         config.optimizer.schedule, "must be one of " + ", ".join(optim.SCHEDULES))
-    need(0.0 <= config.train.label_smoothing < 1.0, "train.label_smoothing",
-         config.train.label_smoothing, "must be in [0, 1)")
-    widths = config.model.widths
-    need(isinstance(widths, tuple) and len(widths) > 0 and all(isinstance(w, int) and w > 0
-                                                               for w in widths),
-         "model.widths", widths, "must be a tuple of positive channel counts, e.g. (64, 256, 256)")
-    model, opt = config.model, config.optimizer
-    need(model.stem in models.RESNET_STEMS, "model.stem", model.stem,
-         "must be one of " + ", ".join(models.RESNET_STEMS))
-    need(model.activation in models.ACTIVATIONS, "model.activation", model.activation,
-         "must be one of " + ", ".join(models.ACTIVATIONS))
-    need(model.conv_init in models.CONV_INITS, "model.conv_init", model.conv_init,
-         "must be one of " + ", ".join(models.CONV_INITS))
-    need(model.bn_epsilon > 0, "model.bn_epsilon", model.bn_epsilon, "must be > 0")
-    need(model.head_init_std >= 0, "model.head_init_std", model.head_init_std,
-         "must be >= 0 (0: Flax's default init)")
-    need(opt.ns_steps >= 1, "optimizer.ns_steps", opt.ns_steps, "must be >= 1")
-    need(len(tuple(opt.ns_coeffs)) == 3, "optimizer.ns_coeffs", tuple(opt.ns_coeffs),
-         "must be three numbers (a, b, c)")
-    need(opt.lookahead_steps >= 0, "optimizer.lookahead_steps", opt.lookahead_steps,
-         "must be >= 0 (0: off)")
-    need(0 < opt.lookahead_alpha <= 1, "optimizer.lookahead_alpha", opt.lookahead_alpha,
-         "must be in (0, 1]")
-    for name in opt.groups.keys():
-        need(isinstance(opt.groups[name], (dict, ml_collections.ConfigDict)),
-             f"optimizer.groups.{name}", opt.groups[name],
-             "must be a group: configs.default.param_group(params_regex, ...)")
-    need(not config.augment.alternate_flip or config.augment.flip, "augment.alternate_flip",
-         config.augment.alternate_flip, "needs augment.flip=True")
-    need(0.0 <= config.eval.tta_fraction <= 1.0, "eval.tta_fraction", config.eval.tta_fraction,
-         "must be in [0, 1]")
-    dc = config.data
-    need(dc.source in data.SOURCES, "data.source", dc.source, "must be one of "
-         + ", ".join(data.SOURCES))
-    need(dc.label in data.CIFAR100_LABELS, "data.label", dc.label,
-         "must be 'fine' (CIFAR-100's 100 classes) or 'coarse' (its 20 superclasses)")
-    need(isinstance(dc.image_size, int) and dc.image_size >= 0, "data.image_size", dc.image_size,
-         "must be an int >= 0 (0: keep the images' own size)")
-    need(dc.resize in data.RESIZES, "data.resize", dc.resize, "must be one of "
-         + ", ".join(data.RESIZES))
-    need(dc.channels in (1, 3), "data.channels", dc.channels, "must be 3 (RGB) or 1 (grey)")
-    need(isinstance(dc.workers, int) and dc.workers >= 0, "data.workers", dc.workers,
-         "must be an int >= 0 (0: one per core)")
-    need(dc.placement in input.PLACEMENTS, "data.placement", dc.placement,
-         "must be one of " + ", ".join(input.PLACEMENTS))
-    need(0 < dc.device_fraction <= 1, "data.device_fraction", dc.device_fraction,
-         "must be in (0, 1]")
-    aug = config.augment
-    need(aug.crop in augment.HOST_CROPS, "augment.crop", aug.crop,
-         "must be one of " + ", ".join(augment.HOST_CROPS))
-    if aug.crop != "none":
-        need(dc.name == "folder" and dc.placement == "stream", "augment.crop", aug.crop,
-             "needs data.name='folder' and data.placement='stream' (it crops the original "
-             "files while streaming)")
-        need(dc.image_size > 0, "augment.crop", aug.crop, "needs data.image_size > 0")
-    lo, hi = tuple(aug.crop_scale)
-    need(0 < lo <= hi <= 1, "augment.crop_scale", tuple(aug.crop_scale),
-         "must be (low, high) with 0 < low <= high <= 1")
-    lo, hi = tuple(aug.crop_ratio)
-    need(0 < lo <= hi, "augment.crop_ratio", tuple(aug.crop_ratio),
-         "must be (low, high) with 0 < low <= high")
-    for key in ("mean", "std"):
-        value = tuple(config.data[key])
-        need(len(value) == 0 or all(isinstance(v, (int, float)) for v in value), f"data.{key}",
-             value, "must be empty (computed from the training split) or one number per channel")
 
 
 # ---------------------------------------------------------------- pure, jitted parts
@@ -898,9 +803,12 @@ def resume_stream(stream, manager, meta: dict, step: int) -> None:
 
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
-    """--mode=eval: restores the newest checkpoint (or checkpoint_path) and evaluates it."""
+    """--mode=eval: restores the newest checkpoint (or checkpoint_path: a step number of
+    workdir's, or a step directory) and evaluates it."""
     run = setup(config)
-    if checkpoint_path:
+    if checkpoint_path and checkpoint_path.strip().isdigit():
+        directory, step = checkpoint.checkpoint_dir(workdir), int(checkpoint_path)
+    elif checkpoint_path:
         path = os.path.abspath(checkpoint_path.rstrip("/"))
         directory, name = os.path.split(path)
         if not name.isdigit():
@@ -910,7 +818,12 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     else:
         directory, step = checkpoint.checkpoint_dir(workdir), None
     if not os.path.isdir(directory if step is None else os.path.join(directory, str(step))):
-        raise checkpoint.CheckpointError(f"no checkpoint at {checkpoint_path or directory}")
+        saved = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
+                       if n.isdigit())
+        where = f"step {step} in {directory}" if step is not None else directory
+        raise checkpoint.CheckpointError(
+            f"no checkpoint at {where} (saved steps: "
+            f"{', '.join(map(str, saved)) if saved else 'none'})")
     manager = checkpoint.create_manager(directory, create=False)
     try:
         restored = checkpoint.restore(manager, run.state, run.data_key, step)

@@ -12,9 +12,9 @@ from jaxtrain import train
     ("model.head_init_std", -1.0, "config.model.head_init_std=-1.0: must be >= 0"),
     ("optimizer.name", "lion", "config.optimizer.name='lion': must be one of sgd, adam, adamw, "
                                "muon"),
-    ("optimizer.ns_steps", 0, "config.optimizer.ns_steps=0: must be >= 1"),
+    ("optimizer.ns_steps", 0, "config.optimizer.ns_steps=0: must be an int >= 1"),
     ("optimizer.ns_coeffs", (1.0, 2.0), r"config.optimizer.ns_coeffs=\(1.0, 2.0\): must be three"),
-    ("optimizer.lookahead_steps", -1, "config.optimizer.lookahead_steps=-1: must be >= 0"),
+    ("optimizer.lookahead_steps", -1, "config.optimizer.lookahead_steps=-1: must be an int >= 0"),
     ("optimizer.lookahead_alpha", 0.0, r"config.optimizer.lookahead_alpha=0.0: must be in \(0, 1\]"),
     ("augment.alternate_flip", True, "config.augment.alternate_flip=True: needs augment.flip=True"),
     ("eval.tta_fraction", 1.5, r"config.eval.tta_fraction=1.5: must be in \[0, 1\]"),

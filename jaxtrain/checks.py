@@ -1,0 +1,230 @@
+"""Config checks: every key known, every value possible, before anything is written.
+
+train.setup (and so every entry point) calls check_config first; main.py
+turns its ConfigError into one line, `error: config.KEY=VALUE: what is wrong
+(what would work)`.
+"""
+import difflib
+
+import jax.numpy as jnp
+import ml_collections
+
+from jaxtrain import augment, data, defaults, input, models, optim, user_model
+from jaxtrain.errors import ConfigError
+
+PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def flat_keys(config, prefix: str = "") -> list[str]:
+    """The dotted names of a config's values ('train.batch_size', ...); a group of
+    optimizer.groups counts as its own keys, a non-dict group as one value."""
+    keys = []
+    for name, value in config.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, (dict, ml_collections.ConfigDict)) and not key == "model.kwargs":
+            keys += flat_keys(value, key + ".") or [key]
+        else:
+            keys.append(key)
+    return keys
+
+
+def known_keys() -> set[str]:
+    return set(flat_keys(defaults.get_config()))
+
+
+def nearest_name(name: str, names) -> str | None:
+    """The known name `name` most likely meant: one whose initials it is ('lr':
+    learning_rate), which starts with or contains it ('epochs': num_epochs), else the
+    closest spelling."""
+    names = sorted(names)
+    for match in (lambda n: "".join(w[0] for w in n.split("_") if w) == name,
+                  lambda n: n.startswith(name), lambda n: name in n):
+        found = [n for n in names if len(name) > 1 and match(n)]
+        if found:
+            return found[0]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unknown_key_error(key: str, known) -> ConfigError:
+    """`unknown config key 'KEY' (did you mean 'NEAREST'?)`: the nearest name in the same
+    block, else the nearest key anywhere."""
+    block, _, name = key.rpartition(".")
+    siblings = {k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == block}
+    nearest = nearest_name(name, siblings) if siblings else None
+    guess = f"{block}.{nearest}" if nearest else None
+    if guess is None:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        guess = close[0] if close else None
+    hint = f" (did you mean {guess!r}?)" if guess else " (jaxtrain/defaults.py lists every key)"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def check_keys(config) -> None:
+    """Every key must be one jaxtrain knows: a misspelt key would otherwise be ignored.
+    (A parameter group's keys are optim.check_groups's to check.)"""
+    known = known_keys()
+    for key in flat_keys(config):
+        if key not in known and not key.startswith(("model.kwargs", "optimizer.groups.")):
+            raise unknown_key_error(key, known)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _at_least(low, integer=False):
+    return lambda v: (_integer(v) if integer else _number(v)) and v >= low
+
+
+def _above(low):
+    return lambda v: _number(v) and v > low
+
+
+def _within(low, high, open_high=False):
+    return lambda v: _number(v) and low <= v and (v < high if open_high else v <= high)
+
+
+def _one_of(*choices):
+    return lambda v: v in choices
+
+
+def _sizes(v) -> bool:  # a non-empty tuple of positive ints
+    return isinstance(v, tuple) and len(v) > 0 and all(_integer(w) and w > 0 for w in v)
+
+
+def _pair(low, high):  # (a, b) with low < a <= b <= high
+    return lambda v: (isinstance(v, tuple) and len(v) == 2 and all(_number(x) for x in v)
+                      and low < v[0] <= v[1] <= high)
+
+
+def _channel_values(low, high):  # () or numbers in [low, high]
+    return lambda v: isinstance(v, tuple) and all(_number(x) and low <= x <= high for x in v)
+
+
+# key -> (does the value work?, what would). The values every key may take, as data;
+# combinations of keys are checked in check_config below.
+RANGES = {
+    "data.name": (lambda v: isinstance(v, str) and v != "", "a dataset name, e.g. 'cifar10'"),
+    "data.source": (_one_of(*data.SOURCES), "one of " + ", ".join(data.SOURCES)),
+    "data.label": (_one_of(*data.CIFAR100_LABELS), "'fine' (CIFAR-100's 100 classes) or "
+                                                   "'coarse' (its 20 superclasses)"),
+    "data.image_size": (_at_least(0, True), "an int >= 0 (0: keep the images' own size)"),
+    "data.resize": (_one_of(*data.RESIZES), "one of " + ", ".join(data.RESIZES)),
+    "data.channels": (_one_of(1, 3), "3 (RGB) or 1 (grey)"),
+    "data.workers": (_at_least(0, True), "an int >= 0 (0: one per core)"),
+    "data.placement": (_one_of(*input.PLACEMENTS), "one of " + ", ".join(input.PLACEMENTS)),
+    "data.device_fraction": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
+    "data.mean": (_channel_values(0, 1), "() (computed from the training split) or one "
+                                         "number in [0, 1] per channel"),
+    "data.std": (_channel_values(1e-12, float("inf")), "() (computed from the training split) "
+                                                      "or one number > 0 per channel"),
+    "model.stem": (_one_of(*models.RESNET_STEMS), "one of " + ", ".join(models.RESNET_STEMS)),
+    "model.hidden_sizes": (_sizes, "a tuple of positive layer sizes, e.g. (256, 128)"),
+    "model.dropout": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "model.widths": (_sizes, "a tuple of positive channel counts, e.g. (64, 256, 256)"),
+    "model.stem_width": (_at_least(1, True), "an int >= 1"),
+    "model.stem_init": (_one_of(*models.STEM_INITS), "one of " + ", ".join(models.STEM_INITS)),
+    "model.bn_momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "model.head_scale": (_above(0), "> 0"),
+    "model.head_init_std": (_at_least(0), ">= 0 (0: Flax's default init)"),
+    "model.activation": (_one_of(*models.ACTIVATIONS), "one of " + ", ".join(models.ACTIVATIONS)),
+    "model.conv_init": (_one_of(*models.CONV_INITS), "one of " + ", ".join(models.CONV_INITS)),
+    "model.bn_epsilon": (_above(0), "> 0"),
+    "optimizer.name": (_one_of(*optim.OPTIMIZERS), "one of " + ", ".join(optim.OPTIMIZERS)),
+    "optimizer.learning_rate": (_above(0), "> 0"),
+    "optimizer.momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "optimizer.weight_decay": (_at_least(0), ">= 0"),
+    "optimizer.b1": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "optimizer.b2": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "optimizer.eps": (_above(0), "> 0"),
+    "optimizer.ns_steps": (_at_least(1, True), "an int >= 1"),
+    "optimizer.ns_coeffs": (lambda v: isinstance(v, tuple) and len(v) == 3
+                            and all(_number(x) for x in v), "three numbers (a, b, c)"),
+    "optimizer.lookahead_steps": (_at_least(0, True), "an int >= 0 (0: off)"),
+    "optimizer.lookahead_alpha": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
+    "optimizer.schedule": (_one_of(*optim.SCHEDULES), "one of " + ", ".join(optim.SCHEDULES)),
+    "optimizer.warmup_fraction": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "optimizer.start_lr_fraction": (_at_least(0), ">= 0"),
+    "optimizer.end_lr_fraction": (_at_least(0), ">= 0"),
+    "augment.translate": (_at_least(0, True), "an int >= 0 (pixels)"),
+    "augment.pad_mode": (_one_of("reflect", "constant"), "'reflect' or 'constant'"),
+    "augment.rotate": (_within(0, 180), "in [0, 180] (degrees)"),
+    "augment.cutout": (_at_least(0, True), "an int >= 0 (pixels; 0: off)"),
+    "augment.crop": (_one_of(*augment.HOST_CROPS), "one of " + ", ".join(augment.HOST_CROPS)),
+    "augment.crop_scale": (_pair(0, 1), "(low, high) with 0 < low <= high <= 1"),
+    "augment.crop_ratio": (_pair(0, float("inf")), "(low, high) with 0 < low <= high"),
+    "train.batch_size": (_at_least(1, True), "an int >= 1"),
+    "train.num_epochs": (_at_least(0, True), "an int >= 0"),
+    "train.num_steps": (_at_least(0, True), "an int >= 0 (0: train.num_epochs decides)"),
+    "train.precision": (_one_of(*PRECISIONS), "one of " + ", ".join(PRECISIONS)),
+    "train.label_smoothing": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: once per epoch)"),
+    "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
+    "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
+    "checkpoint.every_steps": (_at_least(0, True), "an int >= 0 (0: checkpoint.every_epochs)"),
+    "checkpoint.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
+    "checkpoint.keep": (_at_least(1, True), "an int >= 1"),
+    "eval.batch_size": (_at_least(1, True), "an int >= 1"),
+    "eval.tta": (_one_of("none", "flip", "flip_translate"), "'none', 'flip' or 'flip_translate'"),
+    "eval.tta_fraction": (_within(0, 1), "in [0, 1]"),
+    "eval.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
+}
+# A parameter group's own settings take the top-level optimizer key's values.
+GROUP_RANGES = {"lr_scale": (_at_least(0), ">= 0"),
+                "train_steps": (_at_least(0, True), "an int >= 0 (0: every step)"),
+                "params": (lambda v: isinstance(v, str) and v != "", "a regular expression")}
+
+
+def _value(config, key):
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return tuple(node) if isinstance(node, list) else node
+
+
+def check_config(config) -> None:
+    """Fails fast, naming the key, on keys jaxtrain does not know and on values that
+    would only fail later (or silently): `config.KEY=VALUE: must be WHAT WOULD WORK`."""
+    check_keys(config)
+
+    def need(ok, key, value, what):
+        if not ok:
+            raise ConfigError(f"config.{key}={value!r}: {what}")
+
+    for key, (works, what) in RANGES.items():
+        value = _value(config, key)
+        need(works(value), key, value, "must be " + what)
+    model, opt, dc, aug = config.model, config.optimizer, config.data, config.augment
+    need(model.name in models.MODEL_NAMES or user_model.is_user_model(model.name),
+         "model.name", model.name,
+         f"unknown model (did you mean {nearest_name(model.name, models.MODEL_NAMES)!r}? "
+         f"one of {', '.join(models.MODEL_NAMES)}, or 'package.module:Class' for your own)"
+         if nearest_name(model.name, models.MODEL_NAMES) else
+         f"unknown model (one of {', '.join(models.MODEL_NAMES)}, or 'package.module:Class' "
+         "for your own)")
+    need(config.train.num_steps > 0 or config.train.num_epochs > 0, "train.num_epochs",
+         config.train.num_epochs, "must be > 0 when train.num_steps is 0")
+    for name in opt.groups.keys():
+        group = opt.groups[name]
+        need(isinstance(group, (dict, ml_collections.ConfigDict)), f"optimizer.groups.{name}",
+             group, "must be a group: jaxtrain.defaults.param_group(params_regex, ...)")
+        for setting in group.keys():
+            rule = GROUP_RANGES.get(setting) or RANGES.get(f"optimizer.{setting}")
+            if rule is not None:  # (booleans: any value of the right type works)
+                value = _value(group, setting)
+                need(rule[0](value), f"optimizer.groups.{name}.{setting}", value,
+                     "must be " + rule[1])
+    need(not aug.alternate_flip or aug.flip, "augment.alternate_flip", aug.alternate_flip,
+         "needs augment.flip=True")
+    if aug.crop != "none":
+        need(dc.name == "folder" and dc.placement == "stream", "augment.crop", aug.crop,
+             "needs data.name='folder' and data.placement='stream' (it crops the original "
+             "files while streaming)")
+        need(dc.image_size > 0, "augment.crop", aug.crop, "needs data.image_size > 0")
+    need(len(dc.mean) == len(dc.std) or not dc.mean or not dc.std, "data.std", tuple(dc.std),
+         f"must have as many values as data.mean={tuple(dc.mean)!r}")

@@ -1,0 +1,116 @@
+"""Defaults shared by every recipe; each config file starts from these and changes what it needs.
+
+Every key any recipe may set is here, with a comment, so a typo in a config
+file, on the command line or in Python fails (train.check_config) instead of
+being ignored. A config file anywhere starts from them with
+`from jaxtrain.defaults import get_config, param_group` (configs/default.py
+re-exports them for the recipes in this repository).
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    config.data = ml_collections.ConfigDict()
+    config.data.name = "cifar10"     # 'cifar10' | 'cifar100' | 'fashion_mnist' | 'mnist' | 'folder' | 'arrays'
+    config.data.source = "auto"      # 'auto' (local files, then download, then tfds) | 'files' | 'download' | 'tfds'
+    config.data.dir = ""             # searched first, then $JAXTRAIN_DATA_DIR, ~/.cache/jaxtrain;
+                                     # folder: the root of train/<class>/*, test/<class>/*; arrays: the .npz
+    config.data.label = "fine"       # cifar100: 'fine' (100 classes) | 'coarse' (20 superclasses)
+    config.data.image_size = 0       # folder: resize to this many pixels square (0: keep; all one size)
+    config.data.resize = "crop"      # folder: 'crop' (short side, then centre crop) | 'exact'
+    config.data.channels = 3         # folder: 3 (RGB) | 1 (grey); every mode is converted
+    config.data.workers = 0          # folder: decoding processes, or streamed: Grain workers (0: one per core)
+    config.data.placement = "auto"   # 'device' (whole uint8 train split on every device) | 'stream' (Grain reads
+                                     # batches on the host) | 'auto' (device when it fits in device_fraction)
+    config.data.device_fraction = 0.5  # auto: the share of one device's memory the train split may take
+    config.data.mean = ()            # per-channel, in [0, 1]; () = computed from the training split
+    config.data.std = ()
+
+    config.model = ml_collections.ConfigDict()
+    config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn' | 'mlp'
+    config.model.stem = "auto"       # resnet18/34/50: 'imagenet' (7x7/2 conv + max-pool) | 'cifar' (3x3/1 conv) | 'auto' (cifar up to 64 px a side)
+    config.model.batch_norm = False  # seed_cnn, mlp: BatchNorm after each conv and hidden dense
+    config.model.hidden_sizes = (256, 128, 100)  # mlp: hidden dense layers
+    config.model.dropout = 0.0       # mlp: dropout after each hidden layer
+    config.model.widths = (64, 256, 256)  # cifar_cnn: channels of its three conv blocks
+    config.model.stem_width = 24     # cifar_cnn: channels of the 2x2 stem conv
+    config.model.stem_init = "default"  # cifar_cnn: 'default' (learned) | 'whiten' (fixed: whitens 2x2 patches)
+    config.model.bn_momentum = 0.6   # cifar_cnn: running-average decay (Flax convention)
+    config.model.head_scale = 1.0 / 9.0  # cifar_cnn: logits multiplier
+    config.model.head_init_std = 0.0  # cifar_cnn: head weights ~ N(0, this^2); 0 = Flax's default init
+    config.model.activation = "gelu_tanh"  # cifar_cnn: 'gelu_tanh' | 'gelu' (exact) | 'silu' | 'relu'
+    config.model.conv_init = "default"  # cifar_cnn blocks: 'default' | 'dirac' (first C_in filters pass their input through)
+    config.model.bn_epsilon = 1e-5   # cifar_cnn: BatchNorm's variance epsilon
+
+    config.optimizer = ml_collections.ConfigDict()
+    config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only)
+    config.optimizer.learning_rate = 0.1
+    config.optimizer.momentum = 0.9  # sgd; 0 = plain SGD
+    config.optimizer.nesterov = False
+    config.optimizer.weight_decay = 0.0
+    config.optimizer.b1 = 0.9        # adam, adamw
+    config.optimizer.b2 = 0.999
+    config.optimizer.eps = 1e-8
+    config.optimizer.ns_steps = 5    # muon: Newton-Schulz iterations
+    config.optimizer.ns_coeffs = (3.4445, -4.7750, 2.0315)  # muon: the quintic iteration's (a, b, c)
+    config.optimizer.renormalize = False  # after each step, scale each kernel to norm sqrt(output channels)
+    config.optimizer.lookahead_steps = 0  # > 0: Lookahead, every this many steps pull the weights
+    config.optimizer.lookahead_alpha = 0.5  # toward (and reset them to) a slow copy, by this fraction
+    config.optimizer.schedule = "constant"  # 'constant' | 'linear' | 'onecycle' | 'warmup_cosine'
+    config.optimizer.warmup_fraction = 0.0  # of all steps; onecycle and warmup_cosine
+    config.optimizer.start_lr_fraction = 0.0  # onecycle: first lr = peak * this
+    config.optimizer.end_lr_fraction = 0.0    # linear, onecycle, warmup_cosine: last lr = peak * this
+    # Parameter groups: name -> param_group(...) below. A group's parameters get its own
+    # optimizer settings (any key above, plus lr_scale and train_steps); the rest use the
+    # settings above. Every group must match a parameter, and no parameter two groups.
+    config.optimizer.groups = ml_collections.ConfigDict()
+
+    config.augment = ml_collections.ConfigDict()
+    config.augment.flip = False      # random horizontal flip
+    config.augment.alternate_flip = False  # with flip: each image's flip alternates by epoch (random at first)
+    config.augment.translate = 0     # random translation up to this many pixels (pad + crop)
+    config.augment.pad_mode = "reflect"  # 'reflect' | 'constant' (zeros), for translate and TTA
+    config.augment.rotate = 0.0      # random rotation up to this many degrees
+    config.augment.cutout = 0        # side of one random black square; 0 = off
+    config.augment.crop = "none"     # 'random_resized' (streamed folders: ImageNet-style crop + flip on the host) | 'none'
+    config.augment.crop_scale = (0.08, 1.0)  # random_resized: share of the image's area
+    config.augment.crop_ratio = (3 / 4, 4 / 3)  # random_resized: aspect ratio range (log-uniform)
+
+    config.train = ml_collections.ConfigDict()
+    config.train.batch_size = 128
+    config.train.num_epochs = 10
+    config.train.num_steps = 0       # > 0 overrides num_epochs
+    config.train.precision = "bfloat16"  # 'bfloat16' (float32 params/stats/opt state) | 'float32'
+    config.train.label_smoothing = 0.0
+    config.train.log_every_steps = 0  # 0 = once per epoch; chunks of steps run as one program
+    config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the CPU
+
+    config.train.nonfinite = "stop"  # a non-finite loss: 'stop' (keep the last checkpoint) | 'skip' the step
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 0   # > 0: save every this many steps (overrides every_epochs)
+    config.checkpoint.every_epochs = 1  # save at the end of every this many epochs; 0 = only at the end
+    config.checkpoint.keep = 3          # newest checkpoints kept
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.batch_size = 1000
+    config.eval.tta = "none"         # 'none' | 'flip' | 'flip_translate'
+    config.eval.tta_fraction = 1.0   # TTA only on this fraction of test images, the least confident
+    config.eval.every_epochs = 1     # 0 = only at the end
+    return config
+
+
+def param_group(params: str, **settings) -> ml_collections.ConfigDict:
+    r"""One entry of optimizer.groups.
+
+    params: a regular expression that must match the whole '/'-joined parameter
+    path (e.g. r"ConvBlock_\d+/Conv_\d+/kernel"); lr_scale: the group's learning
+    rate is lr_scale x the schedule of optimizer.learning_rate; train_steps: > 0
+    trains the group for the first this many steps only. Any other optimizer key
+    (name, momentum, weight_decay, ...) overrides the top-level value.
+    """
+    return ml_collections.ConfigDict({"params": params, "lr_scale": 1.0, "train_steps": 0,
+                                      **settings})
