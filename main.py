@@ -1,64 +1,8 @@
-"""Command line: `python main.py --config=configs/cifar.py [--workdir=DIR] [--config.KEY=VALUE ...]`."""
-import time
+"""Command line: `python main.py --config=configs/cifar.py [--workdir=DIR] [--config.KEY=VALUE ...]`.
 
-START_TIME = time.time()  # before the heavy imports: summary.json's total_seconds counts them
-
-import os
-import sys
-
-from absl import app, flags, logging
-from ml_collections import config_flags
-
-import jaxtrain
-from jaxtrain.cli import parse_flags
-
-FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, plots and the summary; "
-                    "training resumes from the checkpoints already there. Default: "
-                    "runs/<config file name without .py>.")
-flags.DEFINE_enum("mode", "train", ["train", "eval"],
-                  "train (or resume), or eval: evaluate the newest checkpoint on the test split.")
-flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step number, or a step directory "
-                    "(WORKDIR/checkpoints/STEP), to evaluate instead of the newest.")
-flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of process 0 "
-                    "(default $JAX_COORDINATOR_ADDRESS; auto-detected under SLURM/Open MPI).")
-flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes "
-                     "(default $JAX_NUM_PROCESSES; auto-detected under SLURM/Open MPI).")
-flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index, 0 first "
-                     "(default $JAX_PROCESS_ID; auto-detected under SLURM/Open MPI).")
-flags.mark_flags_as_required(["config"])
-
-
-def default_workdir() -> str:
-    """runs/<config file stem>: --workdir left out."""
-    name = config_flags.get_config_filename(FLAGS["config"])
-    return os.path.join("runs", os.path.splitext(os.path.basename(name))[0])
-
-
-def main(argv):
-    logging.set_verbosity(logging.WARNING)  # keep the console to the training table
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    workdir = FLAGS.workdir
-    if workdir is None:
-        workdir = default_workdir()
-        print(f"workdir: {workdir} (--workdir not given: runs/<config file name>)", flush=True)
-    try:
-        jaxtrain.parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
-                                     FLAGS.process_id)
-        if FLAGS.mode == "eval":
-            jaxtrain.evaluate_checkpoint(FLAGS.config, workdir, FLAGS.checkpoint)
-        else:
-            jaxtrain.train_and_evaluate(FLAGS.config, workdir, start_time=START_TIME)
-    except jaxtrain.Interrupted as error:
-        print(f"stopped: {error}", file=sys.stderr)
-        sys.exit(128 + error.signum)  # the shell's convention for "killed by signal N"
-    except (jaxtrain.DataError, jaxtrain.ConfigError, jaxtrain.TrainingError,
-            jaxtrain.CheckpointError, jaxtrain.DistributedError) as error:
-        sys.exit(f"error: {error}")
-
+The same as `python -m jaxtrain ...` (jaxtrain/__main__.py), kept for a checkout.
+"""
+from jaxtrain.__main__ import run
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    run()

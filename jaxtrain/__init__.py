@@ -4,6 +4,7 @@ The names below are imported on first use: a Grain worker process that only
 reads data (jaxtrain.input) then never imports Flax, optax or the models.
 """
 import importlib
+import importlib.util
 
 _EXPORTS = {
     "CheckpointError": "jaxtrain.checkpoint", "Classifier": "jaxtrain.inference",
@@ -19,8 +20,8 @@ __all__ = sorted([*_EXPORTS, "parallel"])
 def __getattr__(name):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name == "parallel":
-        value = importlib.import_module("jaxtrain.parallel")
+    elif importlib.util.find_spec(f"jaxtrain.{name}") is not None:  # jaxtrain.train, ...
+        value = importlib.import_module(f"jaxtrain.{name}")
     else:
         raise AttributeError(f"module 'jaxtrain' has no attribute {name!r}")
     globals()[name] = value

@@ -109,7 +109,7 @@ def _channel_values(low, high):  # () or numbers in [low, high]
 # key -> (does the value work?, what would). The values every key may take, as data;
 # combinations of keys are checked in check_config below.
 RANGES = {
-    "data.name": (lambda v: isinstance(v, str) and v != "", "a dataset name, e.g. 'cifar10'"),
+    "data.name": (_one_of(*data.DATASETS), "one of " + ", ".join(data.DATASETS)),
     "data.source": (_one_of(*data.SOURCES), "one of " + ", ".join(data.SOURCES)),
     "data.label": (_one_of(*data.CIFAR100_LABELS), "'fine' (CIFAR-100's 100 classes) or "
                                                    "'coarse' (its 20 superclasses)"),
@@ -228,3 +228,52 @@ def check_config(config) -> None:
         need(dc.image_size > 0, "augment.crop", aug.crop, "needs data.image_size > 0")
     need(len(dc.mean) == len(dc.std) or not dc.mean or not dc.std, "data.std", tuple(dc.std),
          f"must have as many values as data.mean={tuple(dc.mean)!r}")
+
+
+# Keys whose change leaves the training trajectory as it was (reporting, evaluation,
+# checkpoint policy, how the same batches are read): a resumed run may change them
+# (checkpoint. includes checkpoint.allow_recipe_change itself).
+RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "checkpoint.", "eval.",
+                     "data.placement", "data.device_fraction", "data.workers")
+
+
+def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) of every key whose change alters training, between
+    a workdir's config.json and `config`. Keys the saved run did not have are skipped."""
+    new = config.to_dict() if hasattr(config, "to_dict") else config
+
+    def flat(tree, prefix=""):
+        out = {}
+        for name, value in tree.items():
+            key = f"{prefix}{name}"
+            if isinstance(value, dict) and key != "model.kwargs":
+                out.update(flat(value, key + ".") or {key: {}})
+            else:
+                out[key] = tuple(value) if isinstance(value, list) else value
+        return out
+
+    old, new = flat(saved), flat(new)
+    # With a constant learning rate the run's length shapes nothing: training on past the
+    # old end is the run that would have had the new length all along.
+    constant = old.get("optimizer.schedule") == new.get("optimizer.schedule") == "constant"
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if key.startswith(RESUMABLE_CHANGES):
+            continue
+        if constant and key in ("train.num_steps", "train.num_epochs"):
+            continue
+        if key not in old and not key.startswith("optimizer.groups."):
+            continue  # a key newer than the saved run
+        before, after = old.get(key, "(not set)"), new.get(key, "(not set)")
+        if _normal(before) != _normal(after):
+            changes.append((key, before, after))
+    return changes
+
+
+def _normal(value):
+    """JSON's lists are tuples, its ints may stand for floats."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_normal(v) for v in value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return float(value)

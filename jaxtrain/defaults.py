@@ -94,6 +94,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.every_steps = 0   # > 0: save every this many steps (overrides every_epochs)
     config.checkpoint.every_epochs = 1  # save at the end of every this many epochs; 0 = only at the end
     config.checkpoint.keep = 3          # newest checkpoints kept
+    config.checkpoint.allow_recipe_change = False  # True: resume even though the recipe changed
+                                        # (model, optimizer, data, ...); the run is then no longer exact
 
     config.eval = ml_collections.ConfigDict()
     config.eval.batch_size = 1000

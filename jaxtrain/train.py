@@ -9,6 +9,7 @@ Checkpoints are saved between chunks; see jaxtrain/checkpoint.py.
 """
 import copy
 import functools
+import json
 import math
 import os
 import signal
@@ -19,11 +20,13 @@ from typing import Any, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxtrain import augment, checkpoint, data, input, models, optim, parallel, report, user_model
+from jaxtrain import (augment, checkpoint, checks, data, defaults, input, models, optim, parallel,
+                      report, user_model)
 from jaxtrain.data import folder_stream
 from jaxtrain.checks import PRECISIONS, check_config  # noqa: F401  (train.check_config)
 from jaxtrain.errors import ConfigError, TrainingError
@@ -32,13 +35,57 @@ CONFIG_FILE = "config.json"
 
 
 class Interrupted(TrainingError):
-    """SIGTERM or SIGINT stopped training after a checkpoint was saved."""
+    """SIGTERM or SIGINT stopped the run: during training after a checkpoint was saved
+    (step), or in another phase (while loading data, compiling, ...)."""
 
-    def __init__(self, signum: int, step: int, directory: str):
-        self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}; "
-                         f"checkpoint saved in {directory}/{step}. Run the same command "
-                         "again to resume")
+    def __init__(self, signum: int, step: int | None = None, directory: str | None = None,
+                 phase: str | None = None):
+        self.signum, self.step = signum, step
+        name = signal.Signals(signum).name
+        if step is not None:
+            message = (f"interrupted by {name} at step {step}; checkpoint saved in "
+                       f"{directory}/{step}. Run the same command again to resume")
+        else:
+            message = f"interrupted by {name} while {phase or 'starting'}"
+        super().__init__(message)
+
+
+# What the run is doing (for a signal's message), and whether a signal may end the
+# process at once: true while nothing could be saved (see raise_on_signals).
+PHASE = {"doing": "starting", "stop_at_once": True}
+
+
+def enter_phase(doing: str, stop_at_once: bool = True) -> None:
+    PHASE.update(doing=doing, stop_at_once=stop_at_once)
+
+
+def raise_on_signals() -> None:
+    """From now on SIGINT and SIGTERM stop the run with one line naming the phase.
+
+    Python runs a signal handler only between bytecodes, so a handler alone would wait
+    for a long XLA compile (or a stalled download) to return. The interpreter also
+    writes each signal to a wakeup pipe the moment it arrives; a watcher thread reads
+    it and, while nothing could be saved (loading, compiling), prints the line and exits
+    at once (status 128 + N). Otherwise the handler raises Interrupted in the main
+    thread, so `finally` blocks run; training itself stops between steps after a
+    checkpoint (StopRequest)."""
+    def handler(signum, frame):
+        raise Interrupted(signum, phase=PHASE["doing"])
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    threading.Thread(target=_stop_at_once_on_signals, args=(read_end,), daemon=True,
+                     name="jaxtrain-signals").start()
+
+
+def _stop_at_once_on_signals(read_end: int) -> None:
+    while True:
+        for signum in os.read(read_end, 64):
+            if signum in (signal.SIGINT, signal.SIGTERM) and PHASE["stop_at_once"]:
+                os.write(2, f"stopped: {Interrupted(signum, phase=PHASE['doing'])}\n".encode())
+                os._exit(128 + signum)
 
 
 class TrainState(train_state.TrainState):
@@ -448,6 +495,26 @@ def whitening_fn(config, mean, std):
                                      filters=config.model.stem_width))
 
 
+def abstract_init(model, model_config, image_shape):
+    """The model's variables as shapes (jax.eval_shape of its init); a model that cannot
+    take the images is a ConfigError naming the key that sizes it."""
+    try:
+        return jax.eval_shape(functools.partial(
+            model.init, x=jnp.zeros((1, *image_shape)), train=False), jax.random.key(0))
+    except Exception as error:  # whatever Flax or XLA raise for impossible shapes
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        size = "x".join(map(str, image_shape))
+        if model_config.name == "cifar_cnn":
+            key, value = "model.widths", tuple(model_config.widths)
+            what = (f"cifar_cnn halves the image once per block: {len(value)} blocks are too "
+                    f"many for {size} images")
+        else:
+            key, value = "model.name", model_config.name
+            what = f"the model cannot take {size} images"
+        raise ConfigError(f"config.{key}={value!r}: {what} ({type(error).__name__}: "
+                          f"{reason})") from None
+
+
 def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation).
 
@@ -475,6 +542,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
                                         PRECISIONS[config.train.precision])
         except ValueError as error:  # an unknown or unimportable model.name
             raise ConfigError(str(error)) from None
+    abstract_params = abstract_init(model, config.model, dataset.image_shape)
     stem_kernel = None
     if models.has_whitened_stem(config.model):
         try:
@@ -486,8 +554,6 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
                 dataset.x_train[:models.WHITENING_IMAGES])
     schedule = optim.create_schedule(config.optimizer, total_steps)
     frozen = models.frozen_params(config.model)
-    abstract_params = jax.eval_shape(functools.partial(
-        model.init, x=jnp.zeros((1, *dataset.image_shape)), train=False), jax.random.key(0))
     optim.check_groups(config.optimizer, abstract_params["params"], frozen)
     tx = optim.create_optimizer(config.optimizer, schedule, frozen)
     replicated = parallel.replicated(mesh)
@@ -602,13 +668,16 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     run every process calls this; process 0 alone prints and writes the reports.
     """
     start_time = time.time() if start_time is None else start_time
+    enter_phase("checking the config; nothing written yet")
     check_config(config)
     if model is not None:
         config = copy.deepcopy(config)
         with config.unlocked():
             config.model.name = user_model.instance_name(model)
+    check_resumable(workdir, config)
     mesh = parallel.create_mesh()
     check_batch_split(config.train.batch_size, mesh)
+    enter_phase("loading the data and building the model; nothing written yet")
     run = setup(config, mesh, model=model)
     main_process = parallel.is_main_process()
     state, data_key = run.state, run.data_key
@@ -623,6 +692,8 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     start_step = int(state.step)
     if main_process:
         report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
+    enter_phase(f"compiling; nothing trained in this run yet (checkpoints in "
+                f"{manager.directory})")
 
     replicated = parallel.replicated(run.mesh)
     eval_arrays = put_eval_data(config, run)
@@ -650,17 +721,18 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     compile_seconds = time.perf_counter() - compile_start
     if streaming and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
+    enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
 
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
                                write=main_process)
-    reporter.print_header(model=config.model.name, params=models.count_params(state.params),
-                          dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
-                          devices=jax.device_count(), processes=jax.process_count(),
-                          steps=run.total_steps, compile_seconds=compile_seconds)
     where = "host, streamed" if streaming else "devices"
     reporter.print_line(f"data on the {where}: {run.placement_reason}"
                         + (f"; {stream.workers} Grain workers" if streaming and stream.workers
                            else ""))
+    reporter.print_header(model=config.model.name, params=models.count_params(state.params),
+                          dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
+                          devices=jax.device_count(), processes=jax.process_count(),
+                          steps=run.total_steps, compile_seconds=compile_seconds)
     if restored is not None:
         reporter.print_line(f"resumed from checkpoint step {start_step} "
                             f"({manager.directory}/{start_step})")
@@ -729,7 +801,11 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                 if stopping:
                     checkpoint.wait(manager)
                     raise Interrupted(stop.signal or signal.SIGTERM, step, manager.directory)
-        checkpoint.wait(manager)
+            checkpoint.wait(manager)
+            enter_phase(f"evaluating and writing the reports after the last step; its "
+                        f"checkpoint is saved in {manager.directory}/{step}", stop_at_once=False)
+            if stop():  # a signal while the last checkpoint was written
+                raise Interrupted(stop.signal, step, manager.directory)
     finally:
         if stream is not None:
             stream.close()
@@ -768,6 +844,37 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     summary["total_seconds"] = time.time() - start_time
     reporter.write_summary(summary)
     return summary
+
+
+def check_resumable(workdir: str, config) -> None:
+    """A workdir with checkpoints resumes only the recipe that wrote them: any change that
+    alters training (checks.recipe_changes) stops here, before anything is loaded or
+    written, unless checkpoint.allow_recipe_change says to go on (and then it is said)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    directory = checkpoint.checkpoint_dir(workdir)
+    saved_steps = [n for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(
+        directory) else []
+    if not saved_steps or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise checkpoint.CheckpointError(f"{path}: cannot be read ({error}); it records the "
+                                         "recipe of the checkpoints beside it") from None
+    changes = checks.recipe_changes(saved, config)
+    if not changes:
+        return
+    listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
+    if not config.checkpoint.allow_recipe_change:
+        raise ConfigError(
+            f"{workdir} holds checkpoints of another recipe ({listed}). Use a new --workdir, "
+            "or resume anyway with --config.checkpoint.allow_recipe_change=True (the run is "
+            "then no longer an exact resume)")
+    if parallel.is_main_process():
+        print(f"resuming with a changed recipe ({listed}): checkpoint.allow_recipe_change=True;"
+              " the run is no longer an exact resume of the one that wrote the checkpoints",
+              flush=True)
 
 
 def open_stream(config, run: Setup, data_key) -> input.Stream:
@@ -834,10 +941,49 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     state = restored[0]
     eval_arrays = put_eval_data(config, run)
     metrics = jax.device_get(compile_eval(config, run, state, eval_arrays)(state, *eval_arrays))
+    tta = config.eval.tta
+    if tta != "none" and config.eval.tta_fraction < 1:
+        tta += f" on the least confident {config.eval.tta_fraction:.0%} of images"
     result = {"step": int(state.step), "test_accuracy": float(metrics["accuracy"]),
-              "test_loss": float(metrics["loss"]), "device_count": jax.device_count()}
+              "test_loss": float(metrics["loss"]), "device_count": jax.device_count(),
+              "tta": tta}
     if parallel.is_main_process():
         print(f"checkpoint step {result['step']}: test_accuracy={result['test_accuracy']:.2%}  "
-              f"test_loss={result['test_loss']:.4f}  (on {jax.device_count()} device"
-              f"{'s' if jax.device_count() > 1 else ''})")
+              f"test_loss={result['test_loss']:.4f}  (TTA: {tta}; on {jax.device_count()} "
+              f"device{'s' if jax.device_count() > 1 else ''})")
     return result
+
+
+def run_config(workdir: str, overrides=None):
+    """The config a workdir's run recorded (config.json) on top of the defaults, with
+    `overrides` ({dotted key: value}) on top; None when the workdir has no config.json."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise checkpoint.CheckpointError(f"{path}: cannot be read ({error})") from None
+    config = defaults.get_config()
+
+    def merge(node, values):
+        for name, value in values.items():
+            if isinstance(value, dict) and name in node and isinstance(
+                    node[name], ml_collections.ConfigDict):
+                merge(node[name], value)
+            else:
+                if isinstance(value, list):
+                    value = tuple(value)
+                with node.ignore_type():
+                    node[name] = (ml_collections.ConfigDict(value) if isinstance(value, dict)
+                                  else value)
+    merge(config, saved)
+    for key, value in (overrides or {}).items():
+        *blocks, name = key.split(".")
+        node = config
+        for block in blocks:
+            node = node[block]
+        with node.ignore_type():
+            node[name] = value
+    return config

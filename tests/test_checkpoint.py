@@ -100,12 +100,19 @@ def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, 
     train.train_and_evaluate(config, str(tmp_path))
     before = (tmp_path / "metrics.jsonl").read_text()
     config.model.widths = (8, 16, 8)
+    with pytest.raises(jaxtrain.ConfigError, match=r"another recipe \(model.widths: "
+                                                   r"\(8, 8, 8\) -> \(8, 16, 8\)\)"):
+        train.train_and_evaluate(config, str(tmp_path))  # config.json tells, before loading
+    # Told to go on regardless, the checkpoint itself does not fit: it says where.
+    config.checkpoint.allow_recipe_change = True
     with pytest.raises(jaxtrain.CheckpointError,
                        match=r"'params/ConvBlock_1/BatchNorm_0/bias' has shape \(8,\) there "
                              r"and \(16,\) here"):
         train.train_and_evaluate(config, str(tmp_path))
     with pytest.raises(jaxtrain.CheckpointError, match="different model"):
-        train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+        train.train_and_evaluate(small_config(cifar_batches_dir,
+                                              checkpoint__allow_recipe_change=True),
+                                 str(tmp_path))
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert steps_saved(tmp_path) == [10]
 
@@ -114,7 +121,7 @@ def test_non_finite_loss_keeps_the_last_good_checkpoint(cifar_batches_dir, tmp_p
     train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=10,
                                           model__batch_norm=False), str(tmp_path))
     config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
-                          model__batch_norm=False)
+                          model__batch_norm=False, checkpoint__allow_recipe_change=True)
     with pytest.raises(jaxtrain.TrainingError, match=r"non-finite training loss at step \d+"):
         train.train_and_evaluate(config, str(tmp_path))
     assert steps_saved(tmp_path) == [10]

@@ -41,8 +41,8 @@ def test_fast_recipe_config_runs(cifar_batches_dir, tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("--config.train.bogus=3", "unknown config key in --config.train.bogus"),
-    ("--config.nosuch.key=1", "unknown config key in --config.nosuch.key"),
+    ("--config.train.bogus=3", "unknown config key 'train.bogus'"),
+    ("--config.nosuch.key=1", "unknown config key 'nosuch.key'"),
     ("--config.train.batch_size=abc", "--config.train.batch_size=abc"),
     ("--config.optimizer.nesterov=maybe", "--config.optimizer.nesterov"),
     ("--config.train.precision=float16", "config.train.precision='float16'"),

@@ -164,3 +164,6 @@ _FILE_LAYOUTS = {
 }
 # Where system packages install datasets (searched after the usual places).
 _SYSTEM_DIRS = {'fashion_mnist': ('/usr/share/datasets/fashion-mnist',)}
+
+# Every data.name load() knows.
+DATASETS = (*_FILE_LAYOUTS, *PATH_DATASETS)

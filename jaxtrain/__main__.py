@@ -1,0 +1,109 @@
+"""Command line: `python -m jaxtrain --config=configs/cifar.py [--workdir=DIR] [--config.KEY=VALUE ...]`.
+
+Also `python main.py ...` in a checkout, or the `jaxtrain` command after `pip install .`.
+"""
+import time
+
+START_TIME = time.time()  # before the heavy imports: summary.json's total_seconds counts them
+
+import os
+import signal
+import sys
+
+
+def _stop_while_starting(signum, frame):
+    """Ctrl-C or SIGTERM during the imports: one line, the shell's status, no traceback."""
+    sys.stderr.write(f"stopped: interrupted by {signal.Signals(signum).name} while starting; "
+                     "nothing written\n")
+    os._exit(128 + signum)
+
+
+for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _stop_while_starting)
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import jaxtrain
+from jaxtrain.cli import parse_flags, usage_error
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, plots and the summary; "
+                    "training resumes from the checkpoints already there. Default: "
+                    "runs/<config file name without .py>.")
+flags.DEFINE_enum("mode", "train", ["train", "eval"],
+                  "train (or resume), or eval: evaluate the newest checkpoint on the test split.")
+flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step number, or a step directory "
+                    "(WORKDIR/checkpoints/STEP), to evaluate instead of the newest.")
+flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of process 0 "
+                    "(default $JAX_COORDINATOR_ADDRESS; auto-detected under SLURM/Open MPI).")
+flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes "
+                     "(default $JAX_NUM_PROCESSES; auto-detected under SLURM/Open MPI).")
+flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index, 0 first "
+                     "(default $JAX_PROCESS_ID; auto-detected under SLURM/Open MPI).")
+flags.mark_flags_as_required(["config"])
+
+
+def default_workdir() -> str:
+    """runs/<config file stem>: --workdir left out."""
+    name = config_flags.get_config_filename(FLAGS["config"])
+    return os.path.join("runs", os.path.splitext(os.path.basename(name))[0])
+
+
+def eval_config(workdir: str):
+    """--mode=eval: the run's own config (WORKDIR/config.json), with this command's
+    --config.KEY=VALUE overrides on top; --config's file alone if the workdir has none."""
+    keys = [arg[len("--config."):].split("=")[0] for arg in sys.argv
+            if arg.startswith("--config.")]
+    overrides = {}
+    for key in keys:
+        node = FLAGS.config
+        for part in key.split("."):
+            node = node[part]
+        overrides[key] = node
+    config = jaxtrain.train.run_config(workdir, overrides)
+    if config is None:
+        return FLAGS.config
+    print(f"evaluating with the run's config ({os.path.join(workdir, 'config.json')})"
+          + (f" and {', '.join('--config.' + k for k in keys)}" if keys else ""), flush=True)
+    return config
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # keep the console to the training table
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    jaxtrain.train.raise_on_signals()
+    workdir = FLAGS.workdir
+    if workdir is None:
+        workdir = default_workdir()
+        print(f"workdir: {workdir} (--workdir not given: runs/<config file name>)", flush=True)
+    try:
+        jaxtrain.parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                                     FLAGS.process_id)
+        if FLAGS.mode == "eval":
+            jaxtrain.evaluate_checkpoint(eval_config(workdir), workdir, FLAGS.checkpoint)
+        else:
+            jaxtrain.train_and_evaluate(FLAGS.config, workdir, start_time=START_TIME)
+    except jaxtrain.Interrupted as error:
+        print(f"stopped: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # the shell's convention for "killed by signal N"; os._exit: no interpreter teardown
+        # racing XLA's threads (a compile cut short left some running)
+        os._exit(128 + error.signum)
+    except jaxtrain.ConfigError as error:
+        usage_error(str(error))  # exit status 2: the command cannot work as typed
+    except (jaxtrain.DataError, jaxtrain.TrainingError, jaxtrain.CheckpointError,
+            jaxtrain.DistributedError) as error:
+        sys.exit(f"error: {error}")  # exit status 1: the run failed
+
+
+def run():
+    """The `jaxtrain` command: absl parses the flags (one-line errors), then main."""
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
