@@ -295,9 +295,11 @@ def test_changes_that_leave_training_alone_resume(default_workdir_run, cifar_bat
     allowed = run_main("--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
                        f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
                        "--config.train.num_steps=30", "--config.checkpoint.every_steps=10",
+                       "--config.optimizer.learning_rate=0.002",
                        "--config.checkpoint.allow_recipe_change=True")
     assert allowed.returncode == 0, allowed.stderr[-2000:]
-    assert ("resuming with a changed recipe (train.num_steps: 20 -> 30): "
+    # (a constant learning rate: training on past the old end changes nothing else)
+    assert ("resuming with a changed recipe (optimizer.learning_rate: 0.001 -> 0.002): "
             "checkpoint.allow_recipe_change=True") in allowed.stdout
     assert json.loads((workdir / "summary.json").read_text())["steps"] == 30
 
