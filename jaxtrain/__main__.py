@@ -43,6 +43,9 @@ flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many proces
                      "(default $JAX_NUM_PROCESSES; auto-detected under SLURM/Open MPI).")
 flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index, 0 first "
                      "(default $JAX_PROCESS_ID; auto-detected under SLURM/Open MPI).")
+flags.DEFINE_float("peer_timeout", 30.0, "Multi-process runs: seconds without a heartbeat after "
+                   "which another process counts as lost; the others then stop with a message "
+                   "and exit status 75; 0 turns the watch off.", lower_bound=0.0)
 flags.mark_flags_as_required(["config"])
 
 
@@ -82,7 +85,7 @@ def main(argv):
         print(f"workdir: {workdir} (--workdir not given: runs/<config file name>)", flush=True)
     try:
         jaxtrain.parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
-                                     FLAGS.process_id)
+                                     FLAGS.process_id, peer_timeout=FLAGS.peer_timeout)
         if FLAGS.mode == "eval":
             jaxtrain.evaluate_checkpoint(eval_config(workdir), workdir, FLAGS.checkpoint)
         else:

@@ -27,6 +27,7 @@ import copy
 import gc
 import json
 import os
+import threading
 import time
 
 import jax
@@ -155,9 +156,17 @@ class RunBatches:
 
 
 def _worker_init(index: int, count: int) -> None:
-    """In a Grain worker: JAX (for the epoch orders) on the CPU only, never the GPU."""
+    """In a Grain worker: JAX (for the epoch orders) on the CPU only, never the GPU; and
+    exit when the training process is gone (killed, it cannot stop its workers)."""
     del index, count
     jax.config.update("jax_platforms", "cpu")
+    parent = os.getppid()
+
+    def exit_with_parent():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=exit_with_parent, daemon=True, name="jaxtrain-parent").start()
 
 
 def _ensure_absl_flags_parsed():

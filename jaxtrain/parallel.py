@@ -17,6 +17,8 @@ Multi-process runs (several machines, or several processes on one) call
 global mesh and feeds its own devices.
 """
 import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -118,17 +120,101 @@ def distributed_settings(coordinator_address=None, num_processes=None, process_i
             "process_id": process_id}
 
 
-def initialize(coordinator_address=None, num_processes=None, process_id=None) -> bool:
+def initialize(coordinator_address=None, num_processes=None, process_id=None,
+               peer_timeout: float | None = None) -> bool:
     """Joins the multi-process run the flags/environment describe; False for a single process.
 
-    Must run before anything else touches JAX's devices.
+    Must run before anything else touches JAX's devices. peer_timeout: seconds after
+    which a silent process counts as lost (watch_peers); JAX's own heartbeat limit,
+    which aborts the process natively, is set well beyond it.
     """
     settings = distributed_settings(coordinator_address, num_processes, process_id)
     if settings is None:
         return False
+    if peer_timeout:
+        settings["heartbeat_timeout_seconds"] = int(max(100, 3 * peer_timeout))
     try:
         jax.distributed.initialize(**settings)
     except (RuntimeError, ValueError) as error:
         raise DistributedError(f"jax.distributed.initialize({settings}) failed: {error}") from error
+    if peer_timeout:
+        watch_peers(peer_timeout)
     return True
+
+
+def lost(process: int, why: str) -> None:
+    """Ends this process, saying which process of the run was lost and what to do."""
+    me, count = jax.process_index(), jax.process_count()
+    message = (f"error: process {process} of {count} was lost ({why}); process {me} stops "
+               f"too. {newest_checkpoint()} Rerun every process to resume.\n")
+    os.write(2, message.encode())
+    os._exit(PEER_LOST)
+
+
+PEER_LOST = 75  # exit status: another process of the run was lost (EX_TEMPFAIL: rerun all)
+CHECKPOINTS = {"directory": None}  # where this run's checkpoints go (train sets it)
+HEARTBEAT_KEY = "jaxtrain/heartbeat/"
+
+
+def watch_peers(timeout: float, stream=None) -> None:
+    """Starts a daemon thread that stops this process when another one of the run is lost.
+
+    Without it, a process whose peer died waits in the next collective until JAX's
+    heartbeat limit and then aborts natively (a C++ `Check failure` dump, exit 134).
+    Not covered: process 0 itself dying. It hosts JAX's coordination service, whose
+    client then ends the other processes natively within a second (exit 134): its
+    error callback cannot be replaced from Python in this jaxlib (the status it
+    passes does not convert: std::bad_cast).
+    Every process here writes a counter to the coordination service's key-value store
+    several times per `timeout` and reads the others'; a peer whose counter has not
+    moved for `timeout` seconds (or the service itself gone: process 0, which hosts it)
+    ends this process with one line naming the lost process and the newest checkpoint,
+    and exit status PEER_LOST. Rerunning every process resumes from that checkpoint.
+    """
+    from jax._src import distributed  # the key-value store has no public API yet
+    client = distributed.global_state.client
+    if client is None:
+        return
+    me, count = jax.process_index(), jax.process_count()
+    interval = max(min(timeout / 5, 2.0), 0.05)
+
+    def watch():
+        beats, seen = 0, {}  # peer -> (its last counter, when it last changed)
+        service_ok = time.monotonic()
+        while True:
+            now = time.monotonic()
+            try:
+                beats += 1
+                client.key_value_set(f"{HEARTBEAT_KEY}{me}", str(beats), allow_overwrite=True)
+                values = dict(client.key_value_dir_get(HEARTBEAT_KEY))
+                service_ok = now
+            except Exception:  # the service is gone or unreachable
+                if now - service_ok > timeout:
+                    lost(0, f"the coordination service it hosts has not answered for "
+                            f"{timeout:g} s")
+                time.sleep(interval)
+                continue
+            for peer in range(count):
+                if peer == me:
+                    continue
+                value = values.get(f"{HEARTBEAT_KEY}{peer}")
+                last, since = seen.get(peer, (None, now))
+                if value != last:
+                    seen[peer] = (value, now)
+                elif now - since > timeout:
+                    lost(peer, f"no heartbeat for {timeout:g} s")
+            time.sleep(interval)
+
+    threading.Thread(target=watch, daemon=True, name="jaxtrain-peers").start()
+
+
+def newest_checkpoint() -> str:
+    """`The newest checkpoint is DIR/STEP.`, from what is on disk now."""
+    directory = CHECKPOINTS["directory"]
+    steps = []
+    if directory and os.path.isdir(directory):
+        steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+    if not steps:
+        return "No checkpoint was written yet."
+    return f"The newest checkpoint is {directory}/{max(steps)}."
 

@@ -684,6 +684,7 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     streaming = run.placement == "stream"
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming)
+    parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
     restored = checkpoint.restore(manager, state, data_key)
     train_seconds = eval_seconds = 0.0
     if restored is not None:

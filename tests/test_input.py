@@ -205,8 +205,14 @@ def test_a_sigkilled_streaming_run_resumes_bit_identical(cifar_jpeg_folder, tmp_
     reference = start_main(tmp_path / "reference", cifar_jpeg_folder)
     killed = start_main(tmp_path / "killed", cifar_jpeg_folder)
     wait_for_step(tmp_path / "killed", 230, killed)
+    import psutil  # (a dependency of Grain)
+    workers = [c for c in psutil.Process(killed.pid).children(recursive=True)
+               if "spawn_main" in " ".join(c.cmdline())]
+    assert len(workers) == 2
     killed.kill()
     killed.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=15)  # they notice and exit
+    assert not alive
     out, err = reference.communicate(timeout=600)
     assert reference.returncode == 0, err
     assert not (tmp_path / "killed" / "summary.json").exists()
