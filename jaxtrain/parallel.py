@@ -16,7 +16,11 @@ Multi-process runs (several machines, or several processes on one) call
 `initialize` first; every process then loads the same files, builds the same
 global mesh and feeds its own devices.
 """
+import atexit
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -134,12 +138,75 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None,
     if peer_timeout:
         settings["heartbeat_timeout_seconds"] = int(max(100, 3 * peer_timeout))
     try:
-        jax.distributed.initialize(**settings)
+        if peer_timeout and settings.get("process_id") == 0 and settings.get("num_processes"):
+            with coordination_service_apart(settings, peer_timeout):
+                jax.distributed.initialize(**settings)
+        else:
+            jax.distributed.initialize(**settings)
     except (RuntimeError, ValueError) as error:
         raise DistributedError(f"jax.distributed.initialize({settings}) failed: {error}") from error
     if peer_timeout:
         watch_peers(peer_timeout)
     return True
+
+
+# The coordination service, in a process of its own (see coordination_service_apart).
+SERVICE_PROCESS = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the trainers
+address, count, heartbeat, parent, grace = sys.argv[1:]
+from jax._src.lib import _jax
+service = _jax.get_distributed_runtime_service(address, int(count),
+                                               heartbeat_timeout=int(heartbeat))
+while os.getppid() == int(parent):
+    time.sleep(0.5)
+time.sleep(float(grace))  # the others notice process 0 is gone, say so and stop
+service.shutdown()
+"""
+
+
+class _ServiceElsewhere:
+    """What jax.distributed keeps as process 0's service when a helper process runs it."""
+
+    def shutdown(self):
+        pass
+
+
+@contextlib.contextmanager
+def coordination_service_apart(settings: dict, peer_timeout: float):
+    """Process 0: jax.distributed.initialize with JAX's coordination service running in
+    a helper process instead of in this one.
+
+    In this process, the service would die with it, and JAX's client in every other
+    process then terminates natively (a C++ `Check failure`, exit 134) within a
+    second. Hosted apart, it outlives process 0 by a grace period, in which the other
+    processes' heartbeat watch sees process 0 silent and stops them with a message
+    (exit PEER_LOST). The helper ends when process 0 exits normally, else after that
+    grace period once process 0 is gone.
+    """
+    from jax._src import distributed
+    module = getattr(distributed, "_jax", None)
+    original = getattr(module, "get_distributed_runtime_service", None)
+    address = settings.get("coordinator_address")
+    if original is None or not address or settings.get("coordinator_bind_address"):
+        yield  # another jaxlib, or an address we do not parse: the service stays here
+        return
+    port = address.rsplit(":", 1)[1]
+    helper = subprocess.Popen([sys.executable, "-c", SERVICE_PROCESS, f"[::]:{port}",
+                               str(settings["num_processes"]),
+                               str(settings["heartbeat_timeout_seconds"]), str(os.getpid()),
+                               str(2 * peer_timeout + 10)],
+                              start_new_session=True, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def stop_service():  # at a normal exit: JAX's shutdown barrier first, then the service
+        jax.distributed.shutdown()  # (JAX's own exit handler then has nothing left to do)
+        helper.terminate()
+    atexit.register(stop_service)
+    module.get_distributed_runtime_service = lambda *args, **kwargs: _ServiceElsewhere()
+    try:
+        yield
+    finally:
+        module.get_distributed_runtime_service = original
 
 
 def lost(process: int, why: str) -> None:
@@ -161,10 +228,8 @@ def watch_peers(timeout: float, stream=None) -> None:
 
     Without it, a process whose peer died waits in the next collective until JAX's
     heartbeat limit and then aborts natively (a C++ `Check failure` dump, exit 134).
-    Not covered: process 0 itself dying. It hosts JAX's coordination service, whose
-    client then ends the other processes natively within a second (exit 134): its
-    error callback cannot be replaced from Python in this jaxlib (the status it
-    passes does not convert: std::bad_cast).
+    Process 0 being lost is seen the same way: the coordination service runs apart
+    from it (coordination_service_apart).
     Every process here writes a counter to the coordination service's key-value store
     several times per `timeout` and reads the others'; a peer whose counter has not
     moved for `timeout` seconds (or the service itself gone: process 0, which hosts it)

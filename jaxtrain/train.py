@@ -912,8 +912,8 @@ def resume_stream(stream, manager, meta: dict, step: int) -> None:
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
     """--mode=eval: restores the newest checkpoint (or checkpoint_path: a step number of
-    workdir's, or a step directory) and evaluates it."""
-    run = setup(config)
+    workdir's, or a step directory) and evaluates it. A missing checkpoint is reported
+    before the data is loaded."""
     if checkpoint_path and checkpoint_path.strip().isdigit():
         directory, step = checkpoint.checkpoint_dir(workdir), int(checkpoint_path)
     elif checkpoint_path:
@@ -932,6 +932,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
         raise checkpoint.CheckpointError(
             f"no checkpoint at {where} (saved steps: "
             f"{', '.join(map(str, saved)) if saved else 'none'})")
+    run = setup(config)
     manager = checkpoint.create_manager(directory, create=False)
     try:
         restored = checkpoint.restore(manager, run.state, run.data_key, step)

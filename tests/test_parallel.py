@@ -129,10 +129,13 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batc
     assert summary["resumed_from_step"] == int(steps[0]) and summary["steps"] == 60
 
 
-def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_batches_dir):
-    """SIGKILL to process 1: process 0 used to wait for JAX's heartbeat limit (about 80 s)
-    and abort natively (exit 134); it now stops within --peer_timeout, in one line
-    naming the lost process and the newest checkpoint, with exit status 75."""
+@pytest.mark.parametrize("lost", [1, 0])
+def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_batches_dir,
+                                                                lost):
+    """SIGKILL to one process: the other used to abort natively (exit 134; about 80 s
+    later, or at once when process 0, the coordination service's host, was lost); it
+    now stops within --peer_timeout, in one line naming the lost process and the newest
+    checkpoint, with exit status 75."""
     address = f"localhost:{free_port()}"
     args = [*RECIPE, "--config.train.num_steps=2000", "--config.checkpoint.every_steps=5",
             f"--workdir={tmp_path}", f"--config.data.dir={cifar_batches_dir}",
@@ -143,17 +146,18 @@ def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_b
             tmp_path / "checkpoints").is_dir() else True:
         assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
         time.sleep(0.1)
-    processes[1].kill()
+    survivor = 1 - lost
+    processes[lost].kill()
     killed_at = time.monotonic()
-    result = finish(processes[0], timeout=120)
-    finish(processes[1])
+    result = finish(processes[survivor], timeout=120)
+    finish(processes[lost])
     assert result.returncode == parallel.PEER_LOST, result.stderr[-3000:]
     assert time.monotonic() - killed_at < 4 + 10
     assert "Traceback" not in result.stderr and "Check failure" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith("error: process 1 of 2 was lost (no heartbeat for 4 s); "
-                               "process 0 stops too. The newest checkpoint is "
+    assert lines[0].startswith(f"error: process {lost} of 2 was lost (no heartbeat for 4 s); "
+                               f"process {survivor} stops too. The newest checkpoint is "
                                f"{tmp_path / 'checkpoints'}/"), lines[0]
     assert lines[0].endswith("Rerun every process to resume.")
 
