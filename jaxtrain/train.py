@@ -414,17 +414,25 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
     def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
         if current.get("key") is not data_key or current.get("epoch") != epoch:
             current.update(key=data_key, epoch=epoch, order=order_fn(data_key, np.int32(epoch)))
-        metrics = []
-        for step in range(first_step, first_step + num_steps):
-            state, step_metrics = step_fn(state, np.int32(step), x_train, y_train,
-                                          *current["order"])
-            metrics.append(step_metrics)
-            if should_stop is not None and should_stop():
-                break
-        stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
-        steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
-        return state, summarize_chunk(steps, stacked)
+        return step_by_step(
+            lambda state, step: step_fn(state, np.int32(step), x_train, y_train,
+                                        *current["order"]),
+            state, first_step, num_steps, should_stop)
     return run_chunk
+
+
+def step_by_step(take_step, state, first_step: int, num_steps: int, should_stop=None):
+    """A chunk as one compiled call per step: take_step(state, step) -> (state, metrics)
+    for each step (stopping after any step should_stop() asks to); (state, summary)."""
+    metrics = []
+    for step in range(first_step, first_step + num_steps):
+        state, step_metrics = take_step(state, step)
+        metrics.append(step_metrics)
+        if should_stop is not None and should_stop():
+            break
+    stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
+    steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
+    return state, summarize_chunk(steps, stacked)
 
 
 def compile_stream_chunks(state, stream, data_key, num_examples: int, step_kwargs,
@@ -441,16 +449,10 @@ def compile_stream_chunks(state, stream, data_key, num_examples: int, step_kwarg
 
     def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
         stream.seek(epoch * stream.source.steps_per_epoch + first_step)
-        metrics = []
-        for step in range(first_step, first_step + num_steps):
-            state, step_metrics = step_fn(state, *stream.next(), data_key, np.int32(epoch),
-                                          np.int32(step))
-            metrics.append(step_metrics)
-            if should_stop is not None and should_stop():
-                break
-        stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
-        steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
-        return state, summarize_chunk(steps, stacked)
+        return step_by_step(
+            lambda state, step: step_fn(state, *stream.next(), data_key, np.int32(epoch),
+                                        np.int32(step)),
+            state, first_step, num_steps, should_stop)
     return run_chunk
 
 

@@ -391,3 +391,34 @@ def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir
     assert "workdir: runs/my_recipe" in trained.stdout
     summary = json.loads((recipe.parent / "runs" / "my_recipe" / "summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_a_signal_while_a_checkpoint_is_written_stops_after_it(cifar_batches_dir, tmp_path):
+    """SIGTERM the moment a checkpoint's temporary folder appears (Orbax writing it): the
+    run finishes that checkpoint, stops with one line naming a saved step, exit 143, and
+    every checkpoint on disk is whole."""
+    workdir = tmp_path / "run"
+    process = start("--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
+                    f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
+                    "--config.train.num_steps=4000", "--config.train.log_every_steps=20",
+                    "--config.checkpoint.every_steps=20", "--config.eval.every_epochs=0")
+    deadline = time.time() + 120
+    checkpoints = workdir / "checkpoints"
+    while not (checkpoints.is_dir() and any("tmp" in p.name for p in checkpoints.iterdir())):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.002)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("stopped:")]
+    assert len(lines) == 1 and lines[0].startswith("stopped: interrupted by SIGTERM at step ")
+    step = int(lines[0].split("at step ")[1].split(";")[0])
+    saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert step == saved[-1] and all(not p.name.endswith("tmp") for p in checkpoints.iterdir())
+    from jaxtrain import checkpoint as ckpt
+    manager = ckpt.create_manager(str(checkpoints), create=False)
+    try:
+        assert ckpt.read_meta(manager, step)["step"] == step
+    finally:
+        manager.close()

@@ -457,12 +457,19 @@ def _decode_file(path, shape, channels, resize, max_pixels, reference) -> np.nda
             if resize is not None:
                 im = _resize(im, shape, resize)
             return np.asarray(im)
-    except DataError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise DataError(f'{path}: refused, a decompression bomb ({e})') from e
-    except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, struct.error, ...
-        raise DataError(f'{path}: cannot decode image ({type(e).__name__}: {e})') from e
+    except Exception as e:
+        raise _decode_error(path, e) from e
+
+
+def _decode_error(path, error: Exception) -> DataError:
+    """Any failure decoding `path` as the DataError that names the file."""
+    Image = _pil()
+    if isinstance(error, DataError):
+        return error
+    if isinstance(error, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return DataError(f'{path}: refused, a decompression bomb ({error})')
+    # Pillow raises OSError, SyntaxError, ValueError, struct.error, ...
+    return DataError(f'{path}: cannot decode image ({type(error).__name__}: {error})')
 
 
 def _check_pixels(path, w, h, max_pixels):
@@ -480,10 +487,8 @@ def _header_size(path: str, max_pixels: int) -> tuple[int, int]:
             warnings.simplefilter('error', Image.DecompressionBombWarning)
             with Image.open(path, formats=_PIL_FORMATS) as im:
                 w, h = im.size
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise DataError(f'{path}: refused, a decompression bomb ({e})') from e
     except Exception as e:
-        raise DataError(f'{path}: cannot decode image ({type(e).__name__}: {e})') from e
+        raise _decode_error(path, e) from e
     _check_pixels(path, w, h, max_pixels)
     return h, w
 

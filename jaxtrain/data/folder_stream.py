@@ -173,12 +173,8 @@ def random_resized_crop(path, shape, channels, max_pixels, rng, scale=(0.08, 1.0
             if flip and rng.random() < 0.5:
                 im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             return np.asarray(im)
-    except DataError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise DataError(f'{path}: refused, a decompression bomb ({e})') from e
-    except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, struct.error, ...
-        raise DataError(f'{path}: cannot decode image ({type(e).__name__}: {e})') from e
+    except Exception as e:
+        raise folder._decode_error(path, e) from e
 
 
 def _crop_box(w, h, rng, scale, ratio) -> tuple[float, float, float, float]:
