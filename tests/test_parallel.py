@@ -129,7 +129,7 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batc
     assert summary["resumed_from_step"] == int(steps[0]) and summary["steps"] == 60
 
 
-@pytest.mark.parametrize("lost", [1, 0])
+@pytest.mark.parametrize("lost", [0])  # process 0: the harder case (it hosts nothing now)
 def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_batches_dir,
                                                                 lost):
     """SIGKILL to one process: the other used to abort natively (exit 134; about 80 s
