@@ -30,7 +30,8 @@ not ml_collections or tensorboardX) into a private folder, decodes the CIFAR-10
 JPEG copy in .data into the cifar-10-batches-py layout, then runs the items.
 
 The same script on a CPU with tiny sizes, a few steps of every item but the
-extras (CI runs it: tests/test_h200.py), so it cannot break between GPU loans:
+extras, so it cannot break between GPU loans (CI runs one item per command:
+tests/test_h200.py; run them all before a loan):
 
     python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
 """

@@ -1,5 +1,12 @@
-"""The prepared H200 script (benchmarks/h200.py), dry: every item for a few steps on the CPU,
-so the one GPU run a loan allows does not fail on something a CPU could have caught."""
+"""The prepared H200 script (benchmarks/h200.py), dry: items for a few steps on the CPU, so the
+one GPU run a loan allows does not fail on something a CPU could have caught.
+
+CI runs one item of each command the script uses (bench --inspect --profile, main.py,
+compare with all three frameworks): about a minute instead of three. The other items'
+commands are the same commands with flags the test modules of bench, speedrun and compare
+run. Before a GPU loan, run every item by hand:
+    python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
+"""
 import importlib.util
 import json
 import subprocess
@@ -11,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "h200.py"
+CI_ITEMS = ("inspect_speedrun", "cifar_train", "compare_seed")
 
 
 def load_script():
@@ -25,7 +33,7 @@ def dry_run(cifar_batches_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("h200")
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry",
                              f"--data_dir={cifar_batches_dir}", f"--out={out}",
-                             f"--wheels={out / 'no-wheels'}"],
+                             f"--wheels={out / 'no-wheels'}", f"--only={','.join(CI_ITEMS)}"],
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     return out, result
 
@@ -35,30 +43,21 @@ def test_every_item_runs_and_reports_its_figures(dry_run):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     report = json.loads((out / "h200.json").read_text())
     items = report["items"]
-    assert list(items) == [name for name, *_ in load_script().items("D", "W", dry=True)]
+    assert list(items) == list(CI_ITEMS)
+    assert set(CI_ITEMS) <= {name for name, *_ in load_script().items("D", "W", dry=True)}
     for name, entry in items.items():
         assert entry["status"] == "ok", (name, entry.get("error"))
     assert report["dry"] and report["environment"]["backend"] == "cpu"
 
-    speedrun = items["speedrun"]["result"]
-    assert len(speedrun["runs"]) == 2 and 0 < speedrun["accuracy_mean"] < 1
-    assert speedrun["compile_seconds"] > 0 and speedrun["devices"] == 1
-    whole = items["speedrun_whole_process"]["result"]["whole_process"]
-    assert whole["cold_seconds"] > 0 and whole["warm_seconds"] > 0
-    for name in ("inspect_speedrun", "inspect_cifar"):
-        inspected = items[name]["result"]
-        assert inspected["kernels_per_step"] > 0 and inspected["flops_per_step"] > 0
-        assert 0 < len(inspected["profile"]["top_ops"]) <= 10
-        with tarfile.open(out / f"profile_{name}.tar.gz") as tar:
-            assert any(n.endswith(".xplane.pb") for n in tar.getnames())
+    inspected = items["inspect_speedrun"]["result"]
+    assert inspected["kernels_per_step"] > 0 and inspected["flops_per_step"] > 0
+    assert 0 < len(inspected["profile"]["top_ops"]) <= 10
+    with tarfile.open(out / "profile_inspect_speedrun.tar.gz") as tar:
+        assert any(n.endswith(".xplane.pb") for n in tar.getnames())
     assert 0 <= items["cifar_train"]["result"]["test_accuracy"] <= 1
     rows = items["compare_seed"]["result"]["results"]
     assert [row["framework"] for row in rows] == ["jax", "torch_article", "torch_fast"]
     assert len({row["param_count"] for row in rows}) == 1
-    rows = items["compare_speedrun"]["result"]["results"]  # the record recipe's twin
-    assert [row["framework"] for row in rows] == ["jax", "torch_fast"]
-    assert len({row["param_count"] for row in rows}) == 1
-    assert all(row["steps"] == 4 and 0 <= row["test_accuracy"] <= 1 for row in rows)
     # The device returns at most 8 files, none in a folder more than 2 deep.
     returned = [p for p in out.rglob("*") if p.is_file()]
     assert len(returned) <= 8 and all(len(p.relative_to(out).parts) <= 3 for p in returned)
