@@ -9,10 +9,10 @@ import importlib.util
 _EXPORTS = {
     "CheckpointError": "jaxtrain.checkpoint", "Classifier": "jaxtrain.inference",
     "ConfigError": "jaxtrain.errors", "DataError": "jaxtrain.data", "Dataset": "jaxtrain.data",
-    "DistributedError": "jaxtrain.parallel", "Interrupted": "jaxtrain.train",
-    "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.train",
+    "DistributedError": "jaxtrain.parallel", "Interrupted": "jaxtrain.signals",
+    "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.evaluation",
     "load": "jaxtrain.data", "restore": "jaxtrain.inference",
-    "train_and_evaluate": "jaxtrain.train",
+    "train_and_evaluate": "jaxtrain.loop",
 }
 __all__ = sorted([*_EXPORTS, "parallel"])
 

@@ -66,7 +66,7 @@ def eval_config(workdir: str):
         for part in key.split("."):
             node = node[part]
         overrides[key] = node
-    config = jaxtrain.train.run_config(workdir, overrides)
+    config = jaxtrain.evaluation.run_config(workdir, overrides)
     if config is None:
         return FLAGS.config
     print(f"evaluating with the run's config ({os.path.join(workdir, 'config.json')})"
@@ -78,7 +78,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep the console to the training table
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    jaxtrain.train.raise_on_signals()
+    jaxtrain.signals.raise_on_signals()
     workdir = FLAGS.workdir
     if workdir is None:
         workdir = default_workdir()

@@ -62,7 +62,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain import data, hlo, models, parallel, profile, report, train  # noqa: E402
+from jaxtrain import data, hlo, models, parallel, prepare, profile, report, train  # noqa: E402
+from jaxtrain.errors import ConfigError, TrainingError  # noqa: E402
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets,
 # matched against jax's device_kind; the first match wins.
@@ -87,7 +88,7 @@ def cost(compiled) -> dict:
 def device_resident(run, what: str):
     """`run`, if its training data is on the devices: what these programs time."""
     if run.placement != "device":
-        raise train.ConfigError(f"{what} times the device-resident data path, but this run "
+        raise ConfigError(f"{what} times the device-resident data path, but this run "
                                 f"streams ({run.placement_reason}); set "
                                 "--config.data.placement=device, or time the loader with "
                                 "--input-only")
@@ -98,10 +99,10 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
     """Compiles one train step of `config`, reports its kernels, FLOPs and speed; with
     `profile_dir`, also traces one more chunk of `steps` steps there and lists the XLA ops
     that took the most time."""
-    run = device_resident(train.setup(config), "--inspect")
-    train.check_batch_split(config.train.batch_size, run.mesh)
-    x_train, y_train = train.put_train_data(run)
-    step_kwargs = train.step_arguments(config, run)
+    run = device_resident(prepare.setup(config), "--inspect")
+    prepare.check_batch_split(config.train.batch_size, run.mesh)
+    x_train, y_train = prepare.put_train_data(run)
+    step_kwargs = prepare.step_arguments(config, run)
     replicated = parallel.replicated(run.mesh)
     order = train.epoch_order_fn(len(x_train), step_kwargs, replicated)(run.data_key, np.int32(0))
 
@@ -190,8 +191,8 @@ def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, st
               whiten, steps_per_epoch, total_steps, step_kwargs, eval_kwargs):
     """One run from its seed to its test metrics: the body of the benchmark's one program.
 
-    Seeds derive keys exactly as train.setup does, and a whitened stem's filters
-    come from the same function (`whiten`, train.whitening_fn, or None) computed
+    Seeds derive keys exactly as prepare.setup does, and a whitened stem's filters
+    come from the same function (`whiten`, prepare.whitening_fn, or None) computed
     here, inside the timed program, as the public speedruns count it; so a run
     here is the run `python main.py` makes with the same config and seed.
     """
@@ -239,19 +240,19 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
     """`runs` timed runs with seeds first_seed, first_seed + 1, ... (default config.seed),
     on the first `devices` devices."""
     mesh = parallel.create_mesh(select_devices(devices))
-    train.check_batch_split(config.train.batch_size, mesh)  # before loading any data
-    run = device_resident(train.setup(config, mesh, abstract_state=True), "the benchmark")
-    x_train, y_train = train.put_train_data(run)
-    eval_arrays = train.put_eval_data(config, run)
+    prepare.check_batch_split(config.train.batch_size, mesh)  # before loading any data
+    run = device_resident(prepare.setup(config, mesh, abstract_state=True), "the benchmark")
+    x_train, y_train = prepare.put_train_data(run)
+    eval_arrays = prepare.put_eval_data(config, run)
     replicated = parallel.replicated(run.mesh)
     program = jax.jit(functools.partial(
         whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
         state_sharding=replicated,
-        whiten=(train.whitening_fn(config, run.mean, run.std)
+        whiten=(prepare.whitening_fn(config, run.mean, run.std)
                 if models.has_whitened_stem(config.model) else None),
         steps_per_epoch=run.steps_per_epoch,
-        total_steps=run.total_steps, step_kwargs=train.step_arguments(config, run),
-        eval_kwargs=train.eval_arguments(config, run)), out_shardings=replicated)
+        total_steps=run.total_steps, step_kwargs=prepare.step_arguments(config, run),
+        eval_kwargs=prepare.eval_arguments(config, run)), out_shardings=replicated)
     start = time.perf_counter()
     lowered = program.lower(np.int32(0), x_train, y_train, eval_arrays)
     # Tracing and lowering: the part of compile_seconds a compilation cache cannot skip.
@@ -280,7 +281,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
         print(f"run {i + 1}/{runs}  seed {seed}  test_accuracy {result['test_accuracy']:.2%}  "
               f"seconds {seconds:.3f}", file=stream, flush=True)
         if result["nonfinite_steps"] and config.train.nonfinite == "stop":
-            raise train.TrainingError(
+            raise TrainingError(
                 f"seed {seed}: {int(result['nonfinite_steps'])} training steps had a non-finite "
                 "loss; lower optimizer.learning_rate or set train.nonfinite='skip'")
     process_seconds = time.time() - PROCESS_START
@@ -439,7 +440,7 @@ def main(argv):
             else:
                 result = benchmark(FLAGS.config, FLAGS.runs, FLAGS.warmup, FLAGS.seed,
                                    FLAGS.devices)
-    except (data.DataError, train.ConfigError, train.TrainingError, parallel.DistributedError,
+    except (data.DataError, ConfigError, TrainingError, parallel.DistributedError,
             UsageError, ChildFailed) as error:
         sys.exit(f"error: {error}")
     # (--whole_process: this process asks no device anything, not even its process index)
@@ -452,9 +453,9 @@ def input_only(config, batches: int = 50, stream=sys.stdout) -> dict:
     config = config.copy_and_resolve_references()
     with config.unlocked():
         config.data.placement = "stream"
-    run = train.setup(config, abstract_state=True)
-    train.check_batch_split(config.train.batch_size, run.mesh)
-    source = train.open_stream(config, run, run.data_key)
+    run = prepare.setup(config, abstract_state=True)
+    prepare.check_batch_split(config.train.batch_size, run.mesh)
+    source = prepare.open_stream(config, run, run.data_key)
     try:
         start = time.perf_counter()
         source.open(0)

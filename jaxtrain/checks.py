@@ -1,6 +1,6 @@
 """Config checks: every key known, every value possible, before anything is written.
 
-train.setup (and so every entry point) calls check_config first; main.py
+prepare.setup (and so every entry point) calls check_config first; main.py
 turns its ConfigError into one line, `error: config.KEY=VALUE: what is wrong
 (what would work)`.
 """

@@ -3,7 +3,7 @@
     python -m jaxtrain.compare --config=configs/cifar_seed_cnn.py [--config.KEY=VALUE ...] \\
         [--frameworks=jax,torch_article,torch_fast] [--workdir=runs/compare]
 
-- jax: jaxtrain itself (train.train_and_evaluate).
+- jax: jaxtrain itself (loop.train_and_evaluate).
 - torch_article: the seed article's PyTorch: a Dataset with per-sample transforms,
   a DataLoader with 2 workers, the plain loop with loss.item() every step.
 - torch_fast: the best PyTorch we can write for the same recipe: the data on the
@@ -30,7 +30,8 @@ import jax
 import numpy as np
 
 from jaxtrain import augment as augment_lib
-from jaxtrain import data, models, report, train, user_model
+from jaxtrain import data, loop, models, prepare, report, user_model
+from jaxtrain.errors import ConfigError, TrainingError
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
 JSON_FILE = "compare.json"
@@ -69,7 +70,7 @@ def torch_unsupported(config) -> list[str]:
 
 def torch_recipe(config, dataset, device, total_steps: int, stem_kernel=None):
     """The twin model (seeded by config.seed), its optimisers (torch_optim, with the
-    learning rates of total_steps steps) and the loss; `stem_kernel` (train.setup's,
+    learning rates of total_steps steps) and the loss; `stem_kernel` (prepare.setup's,
     for a whitened stem) fixes the stem's weights."""
     import torch
 
@@ -78,7 +79,7 @@ def torch_recipe(config, dataset, device, total_steps: int, stem_kernel=None):
     torch.manual_seed(config.seed)
     model = torch_models.create_model(config.model, dataset.num_classes, dataset.image_shape)
     if stem_kernel is not None:
-        # jaxtrain's fixed whitening stem (train.setup's; HWIO -> OIHW), never trained
+        # jaxtrain's fixed whitening stem (prepare.setup's; HWIO -> OIHW), never trained
         stem = model[0]
         with torch.no_grad():
             stem.weight.copy_(torch.from_numpy(np.array(stem_kernel).transpose(3, 2, 0, 1)))
@@ -106,7 +107,7 @@ def torch_step(model, optimizer, criterion, inputs, labels, step: int,
 def torch_evaluate(model, batches, *, mean, std, tta, pad_mode, device,
                    autocast=contextlib.nullcontext(), tta_images=None):
     """Test loss and accuracy with BatchNorm in eval mode and the config's TTA; batches
-    yield (images in [0, 1] or uint8, NCHW, labels). tta_images (train.tta_image_count):
+    yield (images in [0, 1] or uint8, NCHW, labels). tta_images (prepare.tta_image_count):
     None = TTA on every image, k = only on the k least confident (train.eval_logits)."""
     import torch
 
@@ -142,8 +143,8 @@ def torch_evaluate(model, batches, *, mean, std, tta, pad_mode, device,
 
 
 def tta_images(config, dataset):
-    """eval.tta_fraction as torch_evaluate's tta_images (train.tta_image_count)."""
-    return train.tta_image_count(config.eval.tta_fraction, len(dataset.x_test))
+    """eval.tta_fraction as torch_evaluate's tta_images (prepare.tta_image_count)."""
+    return prepare.tta_image_count(config.eval.tta_fraction, len(dataset.x_test))
 
 
 def device_name(device) -> str:
@@ -209,7 +210,7 @@ class Progress:
     def after_step(self, step: int, train_loss) -> bool:
         """Evaluates when jaxtrain would; says whether it did (train_loss() is the mean
         since the last evaluation)."""
-        if not train.evaluates_after(step, self.steps_per_epoch, self.total_steps,
+        if not loop.evaluates_after(step, self.steps_per_epoch, self.total_steps,
                                self.config.eval.every_epochs):
             return False
         start = self.seconds()
@@ -377,7 +378,7 @@ def run_jax(config, workdir: str) -> dict:
     """jaxtrain itself, in a fresh workdir/jax (an old one would be resumed)."""
     jax_dir = os.path.join(workdir, "jax")
     shutil.rmtree(jax_dir, ignore_errors=True)
-    summary = train.train_and_evaluate(config, jax_dir)
+    summary = loop.train_and_evaluate(config, jax_dir)
     curve = [{"seconds": r["seconds"], "test_accuracy": r["test_accuracy"]}
              for r in report.read_metrics(jax_dir) if "test_accuracy" in r]
     return {"device": summary["device_kind"], "warmup_seconds": summary["compile_seconds"],
@@ -445,7 +446,7 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
             raise CompareError("the PyTorch twins do not implement " + "; ".join(unsupported)
                                + ": run --frameworks=jax, or compare a recipe without them")
         import_torch()  # fail before any training when torch is missing
-    setup = train.setup(config)  # checks the config, loads the data, builds the Flax model
+    setup = prepare.setup(config)  # checks the config, loads the data, builds the Flax model
     if setup.placement == "stream" and any(f != "jax" for f in frameworks):
         raise CompareError(f"this run streams its data ({setup.placement_reason}); the PyTorch "
                            "twins train from arrays in memory: run --frameworks=jax")
@@ -512,7 +513,7 @@ def main(argv):
     torch_compile = {"auto": None, "on": True, "off": False}[FLAGS.torch_compile]
     try:
         run(FLAGS.config, FLAGS.frameworks, FLAGS.workdir, torch_compile=torch_compile)
-    except (CompareError, data.DataError, train.ConfigError, train.TrainingError) as error:
+    except (CompareError, data.DataError, ConfigError, TrainingError) as error:
         sys.exit(f"error: {error}")
 
 

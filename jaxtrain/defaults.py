@@ -1,7 +1,7 @@
 """Defaults shared by every recipe; each config file starts from these and changes what it needs.
 
 Every key any recipe may set is here, with a comment, so a typo in a config
-file, on the command line or in Python fails (train.check_config) instead of
+file, on the command line or in Python fails (checks.check_config) instead of
 being ignored. A config file anywhere starts from them with
 `from jaxtrain.defaults import get_config, param_group` (configs/default.py
 re-exports them for the recipes in this repository).

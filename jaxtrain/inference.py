@@ -6,7 +6,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxtrain import checkpoint, models, optim, train, user_model
+from jaxtrain import checkpoint, checks, loop, models, optim, train, user_model
 
 
 class Classifier:
@@ -43,7 +43,7 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
     `model`: the Flax module instance a run was trained on through
     train_and_evaluate(model=...) (a model.name is rebuilt, or imported, by itself).
     """
-    with open(os.path.join(workdir, train.CONFIG_FILE)) as f:
+    with open(os.path.join(workdir, loop.CONFIG_FILE)) as f:
         config = ml_collections.ConfigDict(json.load(f))
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False)
     try:
@@ -52,7 +52,7 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
             model = user_model.from_instance(model)
         else:
             model = models.create_model(config.model, len(meta["class_names"]),
-                                        train.PRECISIONS[config.train.precision])
+                                        checks.PRECISIONS[config.train.precision])
         tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 1),
                                     models.frozen_params(config.model))
         state = train.create_train_state(jax.random.key(0), model, tx, tuple(meta["image_shape"]))

@@ -15,7 +15,7 @@ import pytest
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain import checkpoint, report, train
+from jaxtrain import evaluation, loop, report
 from overrides import with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def steps_saved(workdir):
 def reference(cifar_batches_dir, tmp_path_factory):
     """An uninterrupted 40-step run."""
     workdir = tmp_path_factory.mktemp("reference")
-    return workdir, train.train_and_evaluate(small_config(cifar_batches_dir), str(workdir))
+    return workdir, loop.train_and_evaluate(small_config(cifar_batches_dir), str(workdir))
 
 
 def test_a_run_saves_checkpoints_and_a_params_hash(reference):
@@ -60,10 +60,10 @@ def test_a_run_saves_checkpoints_and_a_params_hash(reference):
 def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
         reference, cifar_batches_dir, tmp_path):
     ref_dir, ref = reference
-    first = train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=20),
+    first = loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=20),
                                      str(tmp_path))
     assert first["params_sha256"] != ref["params_sha256"]
-    resumed = train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    resumed = loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
     assert resumed["resumed_from_step"] == 20
     assert resumed["params_sha256"] == ref["params_sha256"]
     assert (resumed["test_accuracy"], resumed["test_loss"], resumed["train_loss"]) == (
@@ -78,7 +78,7 @@ def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
         reference, cifar_batches_dir, tmp_path, damage, caplog):
     _, ref = reference
-    train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=30), str(tmp_path))
+    loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=30), str(tmp_path))
     newest = tmp_path / "checkpoints" / "30" / "state"
     files = [p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 0]
     assert files
@@ -88,7 +88,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
         else:
             path.unlink()
     with caplog.at_level("WARNING"):
-        resumed = train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+        resumed = loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
     assert "checkpoints/30 cannot be read" in caplog.text
     assert resumed["resumed_from_step"] == 20
     assert resumed["params_sha256"] == ref["params_sha256"]
@@ -97,20 +97,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
 def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, model__name="cifar_cnn", model__widths=(8, 8, 8),
                           model__stem_width=4, train__num_steps=10)
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
     before = (tmp_path / "metrics.jsonl").read_text()
     config.model.widths = (8, 16, 8)
     with pytest.raises(jaxtrain.ConfigError, match=r"another recipe \(model.widths: "
                                                    r"\(8, 8, 8\) -> \(8, 16, 8\)\)"):
-        train.train_and_evaluate(config, str(tmp_path))  # config.json tells, before loading
+        loop.train_and_evaluate(config, str(tmp_path))  # config.json tells, before loading
     # Told to go on regardless, the checkpoint itself does not fit: it says where.
     config.checkpoint.allow_recipe_change = True
     with pytest.raises(jaxtrain.CheckpointError,
                        match=r"'params/ConvBlock_1/BatchNorm_0/bias' has shape \(8,\) there "
                              r"and \(16,\) here"):
-        train.train_and_evaluate(config, str(tmp_path))
+        loop.train_and_evaluate(config, str(tmp_path))
     with pytest.raises(jaxtrain.CheckpointError, match="different model"):
-        train.train_and_evaluate(small_config(cifar_batches_dir,
+        loop.train_and_evaluate(small_config(cifar_batches_dir,
                                               checkpoint__allow_recipe_change=True),
                                  str(tmp_path))
     assert (tmp_path / "metrics.jsonl").read_text() == before
@@ -118,12 +118,12 @@ def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, 
 
 
 def test_non_finite_loss_keeps_the_last_good_checkpoint(cifar_batches_dir, tmp_path):
-    train.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=10,
+    loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=10,
                                           model__batch_norm=False), str(tmp_path))
     config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
                           model__batch_norm=False, checkpoint__allow_recipe_change=True)
     with pytest.raises(jaxtrain.TrainingError, match=r"non-finite training loss at step \d+"):
-        train.train_and_evaluate(config, str(tmp_path))
+        loop.train_and_evaluate(config, str(tmp_path))
     assert steps_saved(tmp_path) == [10]
     classifier = jaxtrain.restore(str(tmp_path))
     assert classifier.step == 10
@@ -133,7 +133,7 @@ def test_non_finite_loss_keeps_the_last_good_checkpoint(cifar_batches_dir, tmp_p
 def test_skip_policy_skips_non_finite_steps(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
                           model__batch_norm=False, train__nonfinite="skip", train__num_steps=20)
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["steps"] == 20
     skipped = sum(r.get("skipped_steps", 0) for r in report.read_metrics(str(tmp_path)))
     assert skipped > 0
@@ -142,7 +142,7 @@ def test_skip_policy_skips_non_finite_steps(cifar_batches_dir, tmp_path):
 def test_a_workdir_that_cannot_hold_checkpoints_is_a_clear_error(cifar_batches_dir, tmp_path):
     (tmp_path / "checkpoints").write_text("not a directory")
     with pytest.raises(jaxtrain.CheckpointError, match="not a directory"):
-        train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+        loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
 
 
 def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(
@@ -156,7 +156,7 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", save_until_full)
     with pytest.raises(jaxtrain.CheckpointError, match="step 30.*No space left on device"):
-        train.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+        loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
     monkeypatch.undo()
     assert steps_saved(tmp_path) == [10, 20]
     assert jaxtrain.restore(str(tmp_path)).step == 20
@@ -166,11 +166,12 @@ def test_eval_mode_reports_what_the_run_recorded(reference, cifar_batches_dir, c
     workdir, _ = reference
     recorded = {r["step"]: r for r in report.read_metrics(str(workdir)) if "test_loss" in r}
     config = small_config(cifar_batches_dir)
-    newest = train.evaluate_checkpoint(config, str(workdir))
+    newest = evaluation.evaluate_checkpoint(config, str(workdir))
     assert newest["step"] == 40
     assert newest["test_accuracy"] == pytest.approx(recorded[40]["test_accuracy"], abs=1e-7)
     assert newest["test_loss"] == pytest.approx(recorded[40]["test_loss"], rel=1e-6)
-    older = train.evaluate_checkpoint(config, str(workdir), str(workdir / "checkpoints" / "20"))
+    older = evaluation.evaluate_checkpoint(config, str(workdir),
+                                           str(workdir / "checkpoints" / "20"))
     assert older["step"] == 20  # not evaluated during the run: compare with the restore API
     labels, _ = jaxtrain.restore(str(workdir), step=20).predict(cifar_subset["x_test"])
     assert older["test_accuracy"] == pytest.approx(np.mean(labels == cifar_subset["y_test"]),

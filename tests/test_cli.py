@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from configs import cifar_seed_cnn
-from jaxtrain import checks, defaults, train
+from jaxtrain import checks, defaults, loop
 from jaxtrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_an_unknown_key_set_in_python_is_refused(tmp_path):
     config.train.epochs = 3
     with pytest.raises(ConfigError, match=r"^unknown config key 'train.epochs' \(did you mean "
                                           r"'train.num_epochs'\?\)$"):
-        train.train_and_evaluate(config, str(tmp_path / "run"))
+        loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
@@ -105,7 +105,7 @@ DRIVER = """
 import json, os, runpy, sys, tempfile, traceback
 CASES, MAIN = json.loads(sys.argv[1]), sys.argv[2]
 import absl.app, flax, jax, ml_collections, optax, orbax.checkpoint
-import jaxtrain.cli, jaxtrain.train
+import jaxtrain.cli, jaxtrain.loop
 results = []
 for workdir, override in CASES:
     argv = [MAIN, "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
@@ -267,7 +267,7 @@ def test_resuming_with_another_recipe_stops_naming_every_change(default_workdir_
     config.optimizer.learning_rate, config.seed, config.optimizer.name = 0.01, 3, "adamw"
     config.eval.batch_size, config.train.log_every_steps = 500, 5  # these may change
     with pytest.raises(ConfigError) as error:
-        train.train_and_evaluate(config, str(workdir))
+        loop.train_and_evaluate(config, str(workdir))
     assert str(error.value) == (
         f"{workdir} holds checkpoints of another recipe (optimizer.learning_rate: 0.001 -> "
         "0.01; optimizer.name: 'sgd' -> 'adamw'; seed: 0 -> 3). Use a new --workdir, or resume "

@@ -15,7 +15,8 @@ import torch  # in requirements.txt: these tests must run, not skip
 
 from configs import cifar, cifar_seed_cnn, default  # noqa: E402
 from configs import cifar_speedrun  # noqa: E402
-from jaxtrain import augment, compare, data, models, optim, torch_models, torch_optim, train  # noqa: E402
+from jaxtrain import (augment, compare, data, models, optim, prepare, torch_models,  # noqa: E402
+                      torch_optim, train)
 from overrides import with_overrides  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     config.optimizer.weight_decay = 5e-3
     config.train.label_smoothing = 0.2
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = train.channel_stats(dataset, config)
+    mean, std = prepare.channel_stats(dataset, config)
     images, labels = dataset.x_train[:32], dataset.y_train[:32]
     shape = dataset.image_shape
 
@@ -295,7 +296,7 @@ def test_record_recipe_optimizers_take_the_same_steps(cifar_batches_dir):
     passing the whitened stem through), XLA and torch send the gradient to different,
     equally valid elements, so their own gradients differ by a few percent there."""
     config = record_config(cifar_batches_dir, optimizer__groups__stem_bias__train_steps=1)
-    run = train.setup(config)
+    run = prepare.setup(config)
     dataset, state, shape = run.dataset, run.state, run.dataset.image_shape
     grad_fn = jax.jit(jax.grad(lambda params, images, labels: optax.softmax_cross_entropy(
         state.apply_fn({"params": params, "batch_stats": state.batch_stats},
@@ -368,13 +369,13 @@ def test_alternating_flips_mirror_each_image_once_in_two_epochs(cifar_batches_di
 def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
     """eval.tta_fraction: plain logits, then TTA on the 30% least confident images."""
     config = record_config(cifar_batches_dir, eval__tta_fraction=0.3)
-    run = train.setup(config)
+    run = prepare.setup(config)
     dataset, state = run.dataset, run.state
     stats = jax.tree.map(lambda v: v + 0.3, state.batch_stats)
     state = state.replace(batch_stats=stats)
-    eval_arrays = train.batch_for_eval(dataset.x_test, dataset.y_test, config.eval.batch_size)
+    eval_arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, config.eval.batch_size)
     expected = jax.device_get(jax.jit(functools.partial(
-        train.evaluate, **train.eval_arguments(config, run)))(state, *eval_arrays))
+        train.evaluate, **prepare.eval_arguments(config, run)))(state, *eval_arrays))
     twin = torch_models.load_flax_variables(
         torch_models.create_model(config.model, 10, dataset.image_shape),
         {"params": state.params, "batch_stats": stats}, dataset.image_shape)
@@ -442,7 +443,7 @@ def test_torch_fast_trains_cifar_cnn_in_bfloat16(cifar_batches_dir):
     config.train.batch_size, config.eval.batch_size = 64, 250
     config.augment.rotate, config.augment.cutout = 10.0, 6
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = train.channel_stats(dataset, config)
+    mean, std = prepare.channel_stats(dataset, config)
     result = compare.run_torch_fast(config, dataset, mean, std, total_steps=4)
     assert result["precision"] == "bfloat16" and result["param_count"] == 9560
     assert np.isfinite(result["test_loss"]) and result["steps"] == 4
@@ -457,7 +458,7 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
     config = cifar.get_config()
     config.data.dir, config.data.source = str(cifar_batches_dir), "files"
     config.model.stem_init, config.model.widths = "whiten", (16, 32, 64)
-    run = train.setup(config)
+    run = prepare.setup(config)
     dataset = run.dataset
     model, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"),
                                                run.total_steps, run.stem_kernel)
@@ -607,7 +608,7 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
         r"(.*/)?BatchNorm_\d+/(scale|bias)|Dense_0/bias", weight_decay=0.0, lr_scale=0.5)
     config.train.label_smoothing = 0.2
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = train.channel_stats(dataset, config)
+    mean, std = prepare.channel_stats(dataset, config)
     images, labels = dataset.x_train[:8], dataset.y_train[:8]
     inputs = (images / 255.0 - np.asarray(mean)) / np.asarray(std)  # float64, NHWC
     shape = dataset.image_shape

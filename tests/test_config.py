@@ -1,8 +1,8 @@
-"""Every config key has a bad-value error that names it (train.check_config)."""
+"""Every config key has a bad-value error that names it (checks.check_config)."""
 import pytest
 
 from configs import cifar_speedrun, default
-from jaxtrain import train
+from jaxtrain import ConfigError, checks
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -23,17 +23,17 @@ def test_bad_values_of_new_keys_name_the_key(key, value, message):
     config = default.get_config()
     section, name = key.split(".")
     config[section][name] = value
-    with pytest.raises(train.ConfigError, match=message):
-        train.check_config(config)
+    with pytest.raises(ConfigError, match=message):
+        checks.check_config(config)
 
 
 def test_a_group_must_be_a_param_group():
     config = default.get_config()
     config.optimizer.groups.head = 0.5
-    with pytest.raises(train.ConfigError, match="config.optimizer.groups.head=0.5: must be a group"):
-        train.check_config(config)
+    with pytest.raises(ConfigError, match="config.optimizer.groups.head=0.5: must be a group"):
+        checks.check_config(config)
 
 
 def test_the_recipes_pass_the_checks():
-    train.check_config(default.get_config())
-    train.check_config(cifar_speedrun.get_config())
+    checks.check_config(default.get_config())
+    checks.check_config(cifar_speedrun.get_config())

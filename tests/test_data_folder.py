@@ -22,7 +22,7 @@ import pytest
 import skimage
 from PIL import Image
 
-from jaxtrain import data
+from jaxtrain import checks, data, loop
 from jaxtrain.data import DataError, folder
 from jaxtrain.data.folder import load_folder
 
@@ -550,25 +550,23 @@ def test_no_cache_and_unwritable_cache(tmp_path, monkeypatch):
 def test_a_short_run_trains_on_a_folder(cifar_folder, tmp_path, monkeypatch):
     """main's path: data.name='folder' through data.load_config, cached in ~/.cache/jaxtrain."""
     from configs import cifar_seed_cnn
-    from jaxtrain import train
 
     monkeypatch.setenv('HOME', str(tmp_path / 'home'))
     config = cifar_seed_cnn.get_config()
     config.data.name, config.data.dir = 'folder', str(cifar_folder)
     config.data.image_size = 32
     config.train.batch_size, config.train.num_steps, config.eval.batch_size = 50, 30, 250
-    summary = train.train_and_evaluate(config, str(tmp_path / 'run'))
+    summary = loop.train_and_evaluate(config, str(tmp_path / 'run'))
     assert summary['steps'] == 30 and np.isfinite(summary['test_loss'])
     assert list((tmp_path / 'home' / '.cache' / 'jaxtrain' / 'folders').glob('*.npz'))
 
 
 def test_the_folder_and_cifar100_configs_check():
     from configs import cifar100_resnet18, folder
-    from jaxtrain import train
 
     for module in (folder, cifar100_resnet18):
         config = module.get_config()
-        train.check_config(config)
+        checks.check_config(config)
         assert config.model.name == 'resnet18'
     assert folder.get_config().data.name == 'folder'
     assert cifar100_resnet18.get_config().data.name == 'cifar100'

@@ -6,7 +6,7 @@ import pytest
 
 from configs import cifar_seed_cnn
 from conftest import write_tar
-from jaxtrain import data, train
+from jaxtrain import data, loop
 from overrides import with_overrides
 
 COARSE = 20
@@ -157,6 +157,6 @@ def test_a_short_run_trains_on_an_npz(arrays_npz, tmp_path):
     config = with_overrides(config, {'data__name': 'arrays', 'data__dir': str(arrays_npz),
                                      'train__batch_size': 50, 'train__num_steps': 40,
                                      'eval__batch_size': 250})
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary['steps'] == 40 and 0.0 <= summary['test_accuracy'] <= 1.0
     assert np.isfinite(summary['test_loss'])

@@ -2,7 +2,7 @@
 import pytest
 
 from configs import fashion_mnist_cnn, fashion_mnist_mlp
-from jaxtrain import train
+from jaxtrain import loop
 
 SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -12,7 +12,7 @@ def test_short_mlp_run_beats_chance_by_far(tmp_path):
     config.data.dir = SYSTEM_DIR
     config.data.source = "files"
     config.train.num_steps = 400  # under one epoch of the article's recipe
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["test_accuracy"] > 0.75  # chance is 0.10
     assert summary["param_count"] == 248734
 
@@ -27,5 +27,5 @@ def test_cnns_train_on_one_channel_images(tmp_path, model):
     config.model.batch_norm = True
     config.train.batch_size = 64
     config.train.num_steps = 60
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["test_accuracy"] > 0.35  # chance is 0.10; 60 small steps

@@ -17,7 +17,7 @@ import pytest
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain import checkpoint, data, input, parallel, report, train
+from jaxtrain import checkpoint, checks, data, input, loop, parallel, prepare, report, train
 from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError
 from overrides import with_overrides
@@ -69,7 +69,7 @@ def test_auto_places_what_fits_on_the_device_and_streams_the_rest():
 ])
 def test_bad_input_settings_are_named(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        train.check_config(small_config("unused", **overrides))
+        checks.check_config(small_config("unused", **overrides))
 
 
 # ---------------------------------------------------------------- same batches, same parameters
@@ -105,7 +105,7 @@ def test_the_stream_reads_exactly_the_device_paths_batches(cifar_subset):
 @pytest.fixture(scope="module")
 def device_run(cifar_batches_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("device_run")
-    return workdir, train.train_and_evaluate(
+    return workdir, loop.train_and_evaluate(
         small_config(cifar_batches_dir, data__placement="device"), str(workdir))
 
 
@@ -114,7 +114,7 @@ def test_device_and_stream_end_with_identical_parameters(device_run, cifar_batch
     """The two compiled programs differ (a gather inside the step, or a batch passed in),
     yet XLA computes the same bits: params_sha256 is equal, not merely close."""
     _, device = device_run
-    stream = train.train_and_evaluate(small_config(cifar_batches_dir, data__placement="stream"),
+    stream = loop.train_and_evaluate(small_config(cifar_batches_dir, data__placement="stream"),
                                       str(tmp_path))
     assert device["data_placement"] == "device" and stream["data_placement"] == "stream"
     assert stream["params_sha256"] == device["params_sha256"]
@@ -142,7 +142,7 @@ def test_a_streamed_folders_statistics_come_from_a_sample(cifar_jpeg_folder):
     np.testing.assert_array_equal(dataset.y_train, decoded.y_train)
     config = small_config(cifar_jpeg_folder, data__mean=(), data__std=())
     # 640 images < STATS_IMAGES: the sample is the whole split, so the statistics are equal
-    assert train.channel_stats(dataset, config) == train.channel_stats(decoded, config)
+    assert prepare.channel_stats(dataset, config) == prepare.channel_stats(decoded, config)
 
 
 def test_random_resized_crops_depend_on_seed_epoch_and_image_only(imagenet_folder):
@@ -228,7 +228,7 @@ def test_a_corrupt_image_mid_epoch_names_the_file_and_keeps_the_checkpoint(cifar
     shutil.copytree(cifar_jpeg_folder, root)
     files = sorted((p for p in (root / "train").rglob("*.jpg")),
                    key=lambda p: (p.parent.name, p.name))  # the folder's image order
-    data_key = jax.random.split(jax.random.key(0))[1]  # train.setup's, for seed 0
+    data_key = jax.random.split(jax.random.key(0))[1]  # prepare.setup's, for seed 0
     order = input.epoch_permutation(np.asarray(jax.random.key_data(data_key)), 0, len(files))
     bad = files[order[12 * 8 + 3]]  # read by step 12 (batch 8), after checkpoint 10
     bad.write_bytes(bad.read_bytes()[:200])

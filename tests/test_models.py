@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxtrain import models
+from jaxtrain import models, prepare
 
 
 def model_config(name, **overrides):
@@ -485,14 +485,14 @@ def steps_on_one_batch(model, tx, images, labels, mean, std, steps=3):
 
 
 def test_resnet18_trains_on_32px_images(cifar_batches_dir):
-    """train.setup builds it from a config (stem 'auto' settled by the 32 px input), then
+    """prepare.setup builds it from a config (stem 'auto' settled by the 32 px input), then
     train.train_step on 8 real images. setup's abstract state skips compiling the init;
-    train.train_and_evaluate runs the same pieces (measured: ~35 s here, most of it that
+    loop.train_and_evaluate runs the same pieces (measured: ~35 s here, most of it that
     init, so it is not repeated in this test)."""
     import optax
 
     from configs import cifar
-    from jaxtrain import optim, train
+    from jaxtrain import optim
 
     config = cifar.get_config()
     config.data.dir = str(cifar_batches_dir)
@@ -500,7 +500,7 @@ def test_resnet18_trains_on_32px_images(cifar_batches_dir):
     config.model.name = "resnet18"
     config.train.batch_size = 8
     config.train.precision = "float32"
-    run = train.setup(config, abstract_state=True)
+    run = prepare.setup(config, abstract_state=True)
     assert models.count_params(run.state.params) == 11_173_962  # the cifar stem
     assert run.state.params["Conv_0"]["kernel"].shape == (3, 3, 3, 64)
     assert models.is_convolutional(config.model.name)  # the CPU's per-step loop

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from configs import cifar_speedrun
-from jaxtrain import bench, train
+from jaxtrain import bench, loop
 from overrides import with_overrides
 
 SEED = 3
@@ -33,7 +33,7 @@ def narrow_speedrun(data_dir, **overrides):
 def main_run(cifar_batches_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("speedrun")
     config = narrow_speedrun(cifar_batches_dir, checkpoint__every_steps=10)
-    return workdir, train.train_and_evaluate(config, str(workdir))
+    return workdir, loop.train_and_evaluate(config, str(workdir))
 
 
 def test_a_benchmark_run_of_the_record_recipe_is_main_py_s_run(cifar_batches_dir, main_run):
@@ -53,7 +53,7 @@ def test_the_record_recipe_resumes_exactly(cifar_batches_dir, main_run, tmp_path
     for step in ("20", "30"):  # as if killed after step 10's checkpoint
         shutil.rmtree(tmp_path / "checkpoints" / step)
     config = narrow_speedrun(cifar_batches_dir, checkpoint__every_steps=10)
-    resumed = train.train_and_evaluate(config, str(tmp_path))
+    resumed = loop.train_and_evaluate(config, str(tmp_path))
     assert resumed["resumed_from_step"] == 10
     assert resumed["params_sha256"] == reference["params_sha256"]
     assert resumed["test_accuracy"] == reference["test_accuracy"]

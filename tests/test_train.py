@@ -11,7 +11,8 @@ import pytest
 
 from configs import cifar, cifar_seed_cnn, default
 import jaxtrain
-from jaxtrain import TrainingError, augment, data, report, train
+from jaxtrain import (ConfigError, TrainingError, augment, data, loop, models, optim, prepare,
+                      report, train)
 from overrides import with_overrides
 
 
@@ -33,7 +34,7 @@ def small_config(data_dir, base=cifar, **overrides):
 def bf16_run(cifar_batches_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("bf16")
     config = small_config(cifar_batches_dir, train__log_every_steps=10)
-    return workdir, config, train.train_and_evaluate(config, str(workdir))
+    return workdir, config, loop.train_and_evaluate(config, str(workdir))
 
 
 def test_short_run_learns_well_above_chance_in_bfloat16(bf16_run):
@@ -44,7 +45,7 @@ def test_short_run_learns_well_above_chance_in_bfloat16(bf16_run):
 
 def test_short_run_learns_in_float32(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, train__precision="float32")
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["test_accuracy"] > 0.30
 
 
@@ -97,7 +98,7 @@ def test_same_seed_gives_the_same_run_and_another_seed_does_not(cifar_batches_di
                               train__num_steps=15, model__batch_norm=True,
                               augment__flip=True, augment__translate=2)
         config.seed = seed
-        return train.train_and_evaluate(config, str(tmp_path / name))
+        return loop.train_and_evaluate(config, str(tmp_path / name))
 
     a, b, c = run(0, "a"), run(0, "b"), run(1, "c")
     assert (a["train_loss"], a["test_loss"]) == (b["train_loss"], b["test_loss"])
@@ -106,12 +107,12 @@ def test_same_seed_gives_the_same_run_and_another_seed_does_not(cifar_batches_di
 
 def test_scan_and_python_loops_compute_the_same_steps(cifar_batches_dir, tmp_path):
     results = {}
-    for loop in ("scan", "python"):
+    for kind in ("scan", "python"):
         config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__batch_size=50,
                               train__num_steps=30, train__log_every_steps=10,
-                              train__loop=loop, augment__flip=True, augment__translate=2)
-        train.train_and_evaluate(config, str(tmp_path / loop))
-        results[loop] = report.read_metrics(str(tmp_path / loop))
+                              train__loop=kind, augment__flip=True, augment__translate=2)
+        loop.train_and_evaluate(config, str(tmp_path / kind))
+        results[kind] = report.read_metrics(str(tmp_path / kind))
     for scan, python in zip(results["scan"], results["python"]):
         assert scan["step"] == python["step"]
         assert scan["train_loss"] == pytest.approx(python["train_loss"], rel=1e-4)
@@ -123,7 +124,7 @@ def test_seed_recipe_learns_with_tiny_batches(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__batch_size=4,
                           train__num_epochs=2, train__log_every_steps=250,
                           optimizer__learning_rate=0.005)  # 1,000 steps, not 25,000
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["steps"] == 1000
     assert summary["test_accuracy"] > 0.20
 
@@ -132,20 +133,20 @@ def test_non_finite_loss_stops_with_the_step(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__num_steps=20,
                           optimizer__learning_rate=1e8)
     with pytest.raises(TrainingError, match=r"non-finite training loss at step \d+"):
-        train.train_and_evaluate(config, str(tmp_path))
+        loop.train_and_evaluate(config, str(tmp_path))
     assert os.path.exists(tmp_path / report.METRICS_FILE)
 
 
 def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
     config = small_config(cifar_batches_dir)
-    model = train.models.create_model(config.model, 10, np.float32)
-    tx = train.optim.create_optimizer(config.optimizer,
-                                      train.optim.create_schedule(config.optimizer, 1))
+    model = models.create_model(config.model, 10, np.float32)
+    tx = optim.create_optimizer(config.optimizer,
+                                      optim.create_schedule(config.optimizer, 1))
     state = train.create_train_state(jax.random.key(0), model, tx, (32, 32, 3))
     results = []
     for batch_size in (500, 300, 7):
-        arrays = train.batch_for_eval(dataset.x_test, dataset.y_test, batch_size)
+        arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, batch_size)
         assert int(arrays[2].sum()) == 500
         results.append(train.evaluate(state, *arrays, mean=(0.5,), std=(0.25,), tta="flip",
                                       pad_mode="reflect"))
@@ -155,8 +156,8 @@ def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
 
 
 def test_plan_chunks_never_cross_an_epoch():
-    assert train.plan_chunks(7, 3, 2) == [(0, 0, 2), (0, 2, 1), (1, 0, 2), (1, 2, 1), (2, 0, 1)]
-    assert train.plan_chunks(6, 3, 0) == [(0, 0, 3), (1, 0, 3)]
+    assert loop.plan_chunks(7, 3, 2) == [(0, 0, 2), (0, 2, 1), (1, 0, 2), (1, 2, 1), (2, 0, 1)]
+    assert loop.plan_chunks(6, 3, 0) == [(0, 0, 3), (1, 0, 3)]
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -170,17 +171,17 @@ def test_plan_chunks_never_cross_an_epoch():
 ])
 def test_bad_config_values_name_the_key(cifar_batches_dir, tmp_path, key, value, message):
     config = small_config(cifar_batches_dir, **{"model__stem_init": "whiten", key: value})
-    with pytest.raises(train.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        train.train_and_evaluate(config, str(tmp_path))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        loop.train_and_evaluate(config, str(tmp_path))
 
 
 def test_a_whitened_stem_stays_fixed_while_the_rest_trains(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, model__stem_init="whiten", model__stem_width=8,
                           train__num_epochs=1, eval__tta="none")
-    run = train.setup(config)
+    run = prepare.setup(config)
     initial = jax.device_get(run.state.params)
     np.testing.assert_array_equal(initial["Conv_0"]["kernel"], run.stem_kernel)
-    summary = train.train_and_evaluate(config, str(tmp_path))
+    summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["test_accuracy"] > 0.15
     trained = jaxtrain.restore(str(tmp_path)).state.params  # the optimiser state restores too
     np.testing.assert_array_equal(trained["Conv_0"]["kernel"], run.stem_kernel)
@@ -261,7 +262,7 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
     """A small BatchNorm MLP trained by the real step: chunking is invisible, in both loops."""
     model_config = default.get_config().model
     model_config.name, model_config.hidden_sizes, model_config.batch_norm = "mlp", (32,), True
-    model = train.models.create_model(model_config, 10, jnp.float32)
+    model = models.create_model(model_config, 10, jnp.float32)
     tx = optax.sgd(0.05, momentum=0.9)
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
@@ -272,8 +273,8 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
     key = jax.random.key(2)
     initial = train.create_train_state(jax.random.key(0), model, tx, (8, 8, 3))
     results = {}
-    for loop in ("scan", "python"):
-        run_chunk = train.compile_chunks(loop, initial, x, y, key, {2, 4}, step_kwargs)
+    for kind in ("scan", "python"):
+        run_chunk = train.compile_chunks(kind, initial, x, y, key, {2, 4}, step_kwargs)
         for chunks in ((4,), (2, 2)):
             state = jax.tree.map(jnp.copy, initial)  # the chunks donate their input state
             for epoch in range(2):
@@ -281,7 +282,7 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
                 for length in chunks:
                     state, _ = run_chunk(state, key, epoch, first, length)
                     first += length
-            results[loop, chunks] = jax.device_get((state.params, state.batch_stats))
+            results[kind, chunks] = jax.device_get((state.params, state.batch_stats))
     reference = results["scan", (4,)]
     for name, result in results.items():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
@@ -293,7 +294,7 @@ def test_a_skipped_step_uses_up_its_slot_of_the_schedule():
     state.step, so the rate used next is schedule(state.step), the one the log shows."""
     model_config = default.get_config().model
     model_config.name, model_config.hidden_sizes = "mlp", (16,)
-    model = train.models.create_model(model_config, 10, jnp.float32)
+    model = models.create_model(model_config, 10, jnp.float32)
     schedule = optax.linear_schedule(0.1, 0.0, 10)
     tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(schedule, momentum=0.9))
     state = train.create_train_state(jax.random.key(0), model, tx, (4, 4, 1))
@@ -330,11 +331,11 @@ def tta_setup(cifar_subset):
     config = small_config("unused")
     config.model.widths, config.model.stem_width = (8, 16, 16), 8
     config.model.head_scale = 30.0  # logits of order 1, so that TTA visibly changes them
-    model = train.models.create_model(config.model, 10, jnp.float32)
+    model = models.create_model(config.model, 10, jnp.float32)
     state = train.create_train_state(jax.random.key(0), model, optax.sgd(0.1), (32, 32, 3))
     # 500 images in batches of 200: 100 padding rows, random images (not black) so that
     # TTA would change their logits if they were ever picked
-    arrays = list(train.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
+    arrays = list(prepare.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
     noise = np.random.default_rng(0).integers(0, 256, (100, 32, 32, 3), dtype=np.uint8)
     arrays[0][-1, 100:] = noise
     return state, tuple(arrays)
@@ -371,7 +372,7 @@ def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
 
 def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup):
     state, (x, y, valid) = tta_setup
-    assert train.tta_image_count(1.0, 500) is None and train.tta_image_count(0.0, 500) == 0
+    assert prepare.tta_image_count(1.0, 500) is None and prepare.tta_image_count(0.0, 500) == 0
     old = [per_view_logits(state, jnp.asarray(batch), "flip") for batch in x]
     losses = [optax.softmax_cross_entropy_with_integer_labels(logits, labels)
               for logits, labels in zip(old, y)]
@@ -389,8 +390,8 @@ def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup)
 def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup, fraction,
                                                                       count):
     state, arrays = tta_setup
-    assert train.tta_image_count(fraction, 500) == count
-    assert train.tta_image_count(0.3, 10) == 3  # not 4 from 0.30000000000000004 x 10
+    assert prepare.tta_image_count(fraction, 500) == count
+    assert prepare.tta_image_count(0.3, 10) == 3  # not 4 from 0.30000000000000004 x 10
     plain, full = logits(state, arrays, "none"), logits(state, arrays, "flip")
     mixed = logits(state, arrays, "flip", count)
     plain, full, mixed = (a.reshape(-1, 10) for a in (plain, full, mixed))

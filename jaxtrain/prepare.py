@@ -1,0 +1,226 @@
+"""From a config to everything a run needs before its first step: the data, the
+model, the optimiser, the initial state, and the static arguments of the compiled
+steps and evaluation (shared by training, evaluation, the benchmark and compare)."""
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain import augment, checks, data, input, models, optim, parallel, train, user_model
+from jaxtrain.data import folder_stream
+from jaxtrain.errors import ConfigError
+
+
+class Setup(NamedTuple):
+    """Everything a run derives from its config before the first step."""
+    mesh: Any
+    dataset: data.Dataset
+    placement: str  # 'device' or 'stream' (input.py)
+    placement_reason: str
+    model: Any
+    stem_kernel: Any  # None, or the whitened stem's fixed weights (None with abstract_state)
+    mean: tuple
+    std: tuple
+    schedule: Any
+    state: train.TrainState
+    data_key: Any
+    steps_per_epoch: int
+    total_steps: int
+
+
+def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
+    """Data, model, optimiser and the initial state (shared by training and evaluation).
+
+    The state is replicated over `mesh` (default: all devices), the data-parallel layout.
+    With abstract_state, the state holds only shapes and dtypes (jax.eval_shape): for
+    callers that build the state inside their own program, it saves compiling the init.
+    `model`: a Flax Linen or NNX module instance to train instead of model.name's.
+    """
+    checks.check_config(config)
+    mesh = parallel.create_mesh() if mesh is None else mesh
+    dataset, placement, placement_reason = input.load(config.data)
+    mean, std = channel_stats(dataset, config)
+    batch_size = config.train.batch_size
+    steps_per_epoch = len(dataset.x_train) // batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"config.train.batch_size={batch_size} is larger than the training "
+                          f"split ({len(dataset.x_train)} images)")
+    total_steps = (config.train.num_steps if config.train.num_steps > 0
+                   else config.train.num_epochs * steps_per_epoch)
+    if model is not None:
+        model = user_model.from_instance(model)
+    else:
+        try:
+            model = models.create_model(config.model, dataset.num_classes,
+                                        checks.PRECISIONS[config.train.precision])
+        except ValueError as error:  # an unknown or unimportable model.name
+            raise ConfigError(str(error)) from None
+    abstract_params = abstract_init(model, config.model, dataset.image_shape)
+    stem_kernel = None
+    if models.has_whitened_stem(config.model):
+        try:
+            models.check_stem(config.model, dataset.image_shape[-1])
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if not abstract_state:  # callers of an abstract state compute it in their program
+            stem_kernel = whitening_fn(config, mean, std)(
+                dataset.x_train[:models.WHITENING_IMAGES])
+    schedule = optim.create_schedule(config.optimizer, total_steps)
+    frozen = models.frozen_params(config.model)
+    optim.check_groups(config.optimizer, abstract_params["params"], frozen)
+    tx = optim.create_optimizer(config.optimizer, schedule, frozen)
+    replicated = parallel.replicated(mesh)
+    init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
+                                 out_shardings=replicated)()
+    init = functools.partial(train.create_train_state, model=model, tx=tx,
+                             image_shape=dataset.image_shape, sharding=replicated,
+                             stem_kernel=stem_kernel)
+    state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
+    return Setup(mesh, dataset, placement, placement_reason, model, stem_kernel, mean, std,
+                 schedule, state, data_key, steps_per_epoch, total_steps)
+
+
+def check_batch_split(batch_size: int, mesh) -> None:
+    """The global batch must split evenly over the devices; says which sizes would."""
+    devices = mesh.size
+    if batch_size % devices:
+        lower, upper = batch_size // devices * devices, -(-batch_size // devices) * devices
+        options = " or ".join(str(size) for size in (lower, upper) if size > 0)
+        raise ConfigError(f"config.train.batch_size={batch_size} does not split evenly over "
+                          f"{devices} devices: use a multiple of {devices} (e.g. {options})")
+
+
+def whitening_fn(config, mean, std):
+    """models.whitening_kernel for this run's stem, jitted: training and the benchmark
+    (inside its timed program) compute the same filters from the training images."""
+    return jax.jit(functools.partial(models.whitening_kernel, mean=tuple(mean), std=tuple(std),
+                                     filters=config.model.stem_width))
+
+
+def abstract_init(model, model_config, image_shape):
+    """The model's variables as shapes (jax.eval_shape of its init); a model that cannot
+    take the images is a ConfigError naming the key that sizes it."""
+    try:
+        return jax.eval_shape(functools.partial(
+            model.init, x=jnp.zeros((1, *image_shape)), train=False), jax.random.key(0))
+    except Exception as error:  # whatever Flax or XLA raise for impossible shapes
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        size = "x".join(map(str, image_shape))
+        if model_config.name == "cifar_cnn":
+            key, value = "model.widths", tuple(model_config.widths)
+            what = (f"cifar_cnn halves the image once per block: {len(value)} blocks are too "
+                    f"many for {size} images")
+        else:
+            key, value = "model.name", model_config.name
+            what = f"the model cannot take {size} images"
+        raise ConfigError(f"config.{key}={value!r}: {what} ({type(error).__name__}: "
+                          f"{reason})") from None
+
+
+def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
+    """data.mean/data.std from the config, or computed from the training split."""
+    mean, std = tuple(config.data.mean), tuple(config.data.std)
+    channels = dataset.image_shape[-1]
+    if not mean or not std:
+        # from each channel's histogram of byte values: exact, and ~10x faster than
+        # numpy's mean and std over axes (0, 1, 2) of a uint8 array. A streamed
+        # folder: from STATS_IMAGES images spread evenly over it.
+        images = dataset.x_train
+        if not isinstance(images, np.ndarray):
+            images = images[np.linspace(0, len(images) - 1, min(len(images), STATS_IMAGES),
+                                        dtype=np.int64)]
+        pixels = images.reshape(-1, channels)
+        values = np.arange(256, dtype=np.float64) / 255.0
+        counts = [np.bincount(pixels[:, c], minlength=256) for c in range(channels)]
+        means = [float(values @ n / n.sum()) for n in counts]
+        stds = [float(np.sqrt(((values - m) ** 2) @ n / n.sum())) for m, n in zip(means, counts)]
+        mean, std = mean or tuple(means), std or tuple(stds)
+    for key, value in (("data.mean", mean), ("data.std", std)):
+        if len(value) not in (1, channels):
+            raise ConfigError(f"config.{key}={value!r}: needs 1 or {channels} values "
+                              f"for {channels}-channel images")
+    return mean, std
+
+
+STATS_IMAGES = 2048  # a streamed folder's mean and std come from this many of its images
+
+
+def batch_for_eval(images: np.ndarray, labels: np.ndarray, batch_size: int, multiple_of: int = 1):
+    """Pads the test split to whole batches: (B, batch, ...) arrays and a validity mask.
+
+    The batch is rounded up to a multiple of `multiple_of` (the device count) so
+    that it splits evenly over the devices.
+    """
+    batch_size = -(-min(batch_size, len(images)) // multiple_of) * multiple_of
+    num_batches = -(-len(images) // batch_size)
+    pad = num_batches * batch_size - len(images)
+    valid = np.concatenate([np.ones(len(images), np.float32), np.zeros(pad, np.float32)])
+    images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
+    labels = np.concatenate([labels, np.zeros(pad, labels.dtype)])
+    return (images.reshape(num_batches, batch_size, *images.shape[1:]),
+            labels.reshape(num_batches, batch_size), valid.reshape(num_batches, batch_size))
+
+
+def put_eval_data(config, run: Setup):
+    """The test split as padded batches on the devices, each batch split over them."""
+    arrays = batch_for_eval(run.dataset.x_test, run.dataset.y_test, config.eval.batch_size,
+                            run.mesh.size)
+    return tuple(parallel.put(a, parallel.batch_sharded(run.mesh, batch_axis=1)) for a in arrays)
+
+
+def put_train_data(run: Setup):
+    """The training split, replicated on every device (see jaxtrain/parallel.py for why)."""
+    replicated = parallel.replicated(run.mesh)
+    return (parallel.put(run.dataset.x_train, replicated),
+            parallel.put(run.dataset.y_train, replicated))
+
+
+def step_arguments(config, run: Setup) -> dict:
+    """The static keyword arguments of train.train_step_at (and train.train_epoch_chunk)
+    for this run."""
+    return dict(batch_size=config.train.batch_size,
+                batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
+                augment_kwargs=augment.device_kwargs(config.augment),
+                num_classes=run.dataset.num_classes,
+                label_smoothing=config.train.label_smoothing,
+                skip_nonfinite=config.train.nonfinite == "skip")
+
+
+def tta_image_count(fraction: float, num_images: int):
+    """eval.tta_fraction as train.evaluate's static tta_images: None = all, else
+    ceil(fraction x num_images) (within float rounding: 0.3 x 10 is 3, not 4)."""
+    count = min(max(math.ceil(fraction * num_images - 1e-9), 0), num_images)
+    return None if count == num_images else count
+
+
+def eval_arguments(config, run: Setup) -> dict:
+    """The static keyword arguments of train.evaluate for this run (train.predict_logits takes
+    all but tta_images)."""
+    return dict(mean=run.mean, std=run.std, tta=config.eval.tta, pad_mode=config.augment.pad_mode,
+                tta_images=tta_image_count(config.eval.tta_fraction, len(run.dataset.x_test)))
+
+
+def compile_eval(config, run: Setup, state, eval_arrays):
+    fn = jax.jit(functools.partial(train.evaluate, **eval_arguments(config, run)),
+                 out_shardings=parallel.replicated(run.mesh))
+    return fn.lower(state, *eval_arrays).compile()
+
+
+def open_stream(config, run: Setup, data_key) -> input.Stream:
+    """The training split as an input.Stream for this run: Grain worker processes for
+    a folder (data.workers, 0: one per core), threads for arrays already in memory."""
+    images = run.dataset.x_train
+    workers = 0
+    if isinstance(images, folder_stream.FolderImages):
+        workers = config.data.workers or folder_stream.folder._cpu_count()
+        if config.augment.crop != "none":
+            images = images.with_random_crop(config.seed, config.augment.crop_scale,
+                                             config.augment.crop_ratio, config.augment.flip)
+    return input.Stream(images, run.dataset.y_train, data_key,
+                        batch_size=config.train.batch_size, steps_per_epoch=run.steps_per_epoch,
+                        total_steps=run.total_steps, sharding=parallel.batch_sharded(run.mesh),
+                        workers=workers)
+
