@@ -14,6 +14,5 @@ def get_config():
     config.train.batch_size = 4
     config.train.num_epochs = 2
     config.train.precision = "float32"  # the article trains in float32
-    config.train.log_every_steps = 2500
     config.eval.batch_size = 1000
     return config

@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"  # WORKDIR/config.json: the recipe of the checkpoints beside it
 
 
 class CheckpointError(RuntimeError):

@@ -163,9 +163,10 @@ RANGES = {
     "train.num_steps": (_at_least(0, True), "an int >= 0 (0: train.num_epochs decides)"),
     "train.precision": (_one_of(*PRECISIONS), "one of " + ", ".join(PRECISIONS)),
     "train.label_smoothing": (_within(0, 1, open_high=True), "in [0, 1)"),
-    "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: once per epoch)"),
+    "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: about 50 rows a run)"),
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
     "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
+    "train.compilation_cache": (lambda v: isinstance(v, str), "a folder, or '' (off)"),
     "checkpoint.every_steps": (_at_least(0, True), "an int >= 0 (0: checkpoint.every_epochs)"),
     "checkpoint.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
     "checkpoint.keep": (_at_least(1, True), "an int >= 1"),
@@ -173,6 +174,7 @@ RANGES = {
     "eval.tta": (_one_of("none", "flip", "flip_translate"), "'none', 'flip' or 'flip_translate'"),
     "eval.tta_fraction": (_within(0, 1), "in [0, 1]"),
     "eval.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
+    "eval.every_steps": (_at_least(0, True), "an int >= 0 (0: off)"),
 }
 # A parameter group's own settings take the top-level optimizer key's values.
 GROUP_RANGES = {"lr_scale": (_at_least(0), ">= 0"),
@@ -233,8 +235,9 @@ def check_config(config) -> None:
 # Keys whose change leaves the training trajectory as it was (reporting, evaluation,
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).
-RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "checkpoint.", "eval.",
-                     "data.placement", "data.device_fraction", "data.workers")
+RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.compilation_cache",
+                     "checkpoint.", "eval.", "data.placement", "data.device_fraction",
+                     "data.workers")
 
 
 def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:

@@ -6,7 +6,7 @@ import os
 import jax
 import ml_collections
 
-from jaxtrain import checkpoint, defaults, loop, parallel, prepare
+from jaxtrain import checkpoint, defaults, parallel, prepare, xla_cache
 
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
@@ -31,6 +31,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
         raise checkpoint.CheckpointError(
             f"no checkpoint at {where} (saved steps: "
             f"{', '.join(map(str, saved)) if saved else 'none'})")
+    xla_cache.enable(config.train.compilation_cache)
     run = prepare.setup(config)
     manager = checkpoint.create_manager(directory, create=False)
     try:
@@ -59,7 +60,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
 def run_config(workdir: str, overrides=None):
     """The config a workdir's run recorded (config.json) on top of the defaults, with
     `overrides` ({dotted key: value}) on top; None when the workdir has no config.json."""
-    path = os.path.join(workdir, loop.CONFIG_FILE)
+    path = os.path.join(workdir, checkpoint.CONFIG_FILE)
     if not os.path.isfile(path):
         return None
     try:

@@ -1,4 +1,5 @@
 """A trained run, restored for inference: `jaxtrain.restore(workdir).predict(images)`."""
+import functools
 import json
 import os
 
@@ -6,7 +7,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxtrain import checkpoint, checks, loop, models, optim, train, user_model
+from jaxtrain import checkpoint, checks, models, optim, train, user_model, xla_cache
 
 
 class Classifier:
@@ -43,8 +44,9 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
     `model`: the Flax module instance a run was trained on through
     train_and_evaluate(model=...) (a model.name is rebuilt, or imported, by itself).
     """
-    with open(os.path.join(workdir, loop.CONFIG_FILE)) as f:
+    with open(os.path.join(workdir, checkpoint.CONFIG_FILE)) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    xla_cache.enable(config.get("train", {}).get("compilation_cache", xla_cache.DEFAULT))
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False)
     try:
         meta = checkpoint.read_meta(manager, step)
@@ -55,8 +57,14 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
                                         checks.PRECISIONS[config.train.precision])
         tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 1),
                                     models.frozen_params(config.model))
-        state = train.create_train_state(jax.random.key(0), model, tx, tuple(meta["image_shape"]))
-        state, _, meta = checkpoint.restore(manager, state, jax.random.key(0), meta["step"])
+        # The state's shapes only (no init compiled): Orbax fills them from the checkpoint.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.eval_shape(functools.partial(
+            train.create_train_state, model=model, tx=tx, image_shape=tuple(meta["image_shape"])),
+            jax.random.key(0))
+        abstract = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), abstract)
+        state, _, meta = checkpoint.restore(manager, abstract, jax.random.key(0), meta["step"])
     finally:
         manager.close()
     return Classifier(state, meta, tta or config.eval.tta, config.augment.pad_mode,

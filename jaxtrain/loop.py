@@ -1,33 +1,40 @@
 """The host loop: runs the compiled chunks (train.py), evaluates, reports (report.py)
-and saves checkpoints (checkpoint.py) on schedule, and resumes exactly."""
+and saves checkpoints (checkpoint.py) on schedule, times every phase of the process
+(phases.py), and resumes exactly."""
 import copy
 import json
 import os
 import signal
-import time
 
 import flax
 import jax
+import numpy as np
 
-from jaxtrain import (checkpoint, checks, models, parallel, prepare, report, signals, train,
-                      user_model)
+from jaxtrain import (checkpoint, checks, models, parallel, phases, prepare, profile, report,
+                      signals, train, user_model, xla_cache)
 from jaxtrain.errors import ConfigError, TrainingError
 
+PROFILE_DIR = "profile"
+ROWS_PER_RUN = 50  # train.log_every_steps=0: about this many metrics rows, whatever the length
 
-CONFIG_FILE = "config.json"
 
-
-def train_and_evaluate(config, workdir: str, *, model=None,
-                       start_time: float | None = None) -> dict:
+def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
+                       profile_steps: int = 0) -> dict:
     """Trains and evaluates the model the config describes; writes reports to workdir.
 
     Resumes from the newest checkpoint in workdir/checkpoints when there is one.
     Returns the summary (also written to workdir/summary.json). In a multi-process
     run every process calls this; process 0 alone prints and writes the reports.
+    start_time: when the process started (main.py), so summary.json's total_seconds
+    and its phase_seconds cover the imports too. profile_steps > 0: trace that many
+    steps after a warm-up step into workdir/profile and print the costliest XLA ops.
     """
-    start_time = time.time() if start_time is None else start_time
+    main_process = parallel.is_main_process()
+    clock = phases.Clock(start_time, say=print_now if main_process else None)
+    clock.lap("imports", "imported JAX, Flax and jaxtrain" if start_time is not None else None)
     signals.enter_phase("checking the config; nothing written yet")
     checks.check_config(config)
+    cache_dir = xla_cache.enable(config.train.compilation_cache)
     if model is not None:
         config = copy.deepcopy(config)
         with config.unlocked():
@@ -36,8 +43,7 @@ def train_and_evaluate(config, workdir: str, *, model=None,
     mesh = parallel.create_mesh()
     prepare.check_batch_split(config.train.batch_size, mesh)
     signals.enter_phase("loading the data and building the model; nothing written yet")
-    run = prepare.setup(config, mesh, model=model)
-    main_process = parallel.is_main_process()
+    run = prepare.setup(config, mesh, model=model, clock=clock)
     state, data_key = run.state, run.data_key
     streaming = run.placement == "stream"
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
@@ -49,38 +55,50 @@ def train_and_evaluate(config, workdir: str, *, model=None,
         state, data_key, meta = restored
         train_seconds, eval_seconds = meta["train_seconds"], meta["eval_seconds"]
     start_step = int(state.step)
+    clock.lap("restore", None if restored is None else (
+        f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
+        "in {seconds:.1f} s"))
     if main_process:
-        report.write_json_atomically(os.path.join(workdir, CONFIG_FILE), config.to_dict())
+        report.write_json_atomically(os.path.join(workdir, checkpoint.CONFIG_FILE),
+                                     config.to_dict())
+    clock.lap("write")
     signals.enter_phase(f"compiling; nothing trained in this run yet (checkpoints in "
-                f"{manager.directory})")
+                        f"{manager.directory})")
 
     replicated = parallel.replicated(run.mesh)
     eval_arrays = prepare.put_eval_data(config, run)
     step_kwargs = prepare.step_arguments(config, run)
     every_save = save_interval(config, run.steps_per_epoch)
-    plan = plan_chunks(run.total_steps, run.steps_per_epoch, config.train.log_every_steps,
-                       every_save, start_step)
-
-    compile_start = time.perf_counter()
-    stream = None
+    on_grid = row_grid(config.train.log_every_steps, run.steps_per_epoch, run.total_steps)
+    traced = profile_window(start_step, run.total_steps, profile_steps)
+    plan = plan_chunks(run.total_steps, run.steps_per_epoch,
+                       (every_save, config.eval.every_steps), start_step, breaks=traced or ())
+    stream = x_train = y_train = None
     if streaming:
         stream = prepare.open_stream(config, run, data_key)
         if restored is not None and start_step < run.total_steps:
             resume_stream(stream, manager, meta, start_step)
         elif start_step < run.total_steps:
             stream.open(start_step)
-        run_chunk = train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
-                                          step_kwargs, replicated)
     else:
         x_train, y_train = prepare.put_train_data(run)
-        loop = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
-        run_chunk = train.compile_chunks(loop, state, x_train, y_train, data_key,
-                                   {length for _, _, length in plan}, step_kwargs, replicated)
+    clock.lap("load")  # the copy to the devices, or the stream's start
+    cache_before = xla_cache.counts()
+    if streaming:
+        run_chunk = train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
+                                                step_kwargs, replicated)
+    else:
+        kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+        run_chunk = train.compile_chunks(kind, state, x_train, y_train, data_key,
+                                         {length for _, _, length in plan}, step_kwargs,
+                                         replicated)
     eval_fn = prepare.compile_eval(config, run, state, eval_arrays)
-    compile_seconds = time.perf_counter() - compile_start
+    compile_seconds = clock.lap("compile", "compiled the training and evaluation programs in "
+                                "{seconds:.1f} s" + cache_note(cache_dir, cache_before))
     if streaming and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
-    signals.enter_phase("training", stop_at_once=False)  # signals.StopRequest: a checkpoint, then stop
+    clock.lap("load")
+    signals.enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
 
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
                                write=main_process)
@@ -92,23 +110,26 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
-    if restored is not None:
-        reporter.print_line(f"resumed from checkpoint step {start_step} "
-                            f"({manager.directory}/{start_step})")
+    clock.lap("write")
     step = start_step
     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-    test_metrics = None
-    wait_seconds = chunk_seconds = 0.0
+    test_metrics = profile_table = None
+    tracing = False
+    wait_seconds = chunk_seconds = traced_seconds = 0.0
     record = reporter.records[-1] if reporter.records else {}
     # One process alone may not stop mid-chunk: the others would wait for it forever.
     single_process = jax.process_count() == 1
     try:
         with signals.StopRequest() as stop:
             for epoch, first_step, length in plan:
+                if traced and step == traced[0]:
+                    jax.profiler.start_trace(os.path.join(workdir, PROFILE_DIR),
+                                             create_perfetto_trace=True)
+                    tracing = True
                 waited = stream.wait_seconds if streaming else 0.0
                 (state, metrics), seconds = train.timed(run_chunk, state, data_key, epoch,
-                                                  first_step, length,
-                                                  stop if single_process else None)
+                                                        first_step, length,
+                                                        stop if single_process else None)
                 train_seconds += seconds
                 chunk_wait = stream.wait_seconds - waited if streaming else 0.0
                 wait_seconds += chunk_wait
@@ -121,58 +142,77 @@ def train_and_evaluate(config, workdir: str, *, model=None,
                         f"good checkpoint is kept in {manager.directory}. Lower "
                         "optimizer.learning_rate, check the data, or set "
                         "train.nonfinite='skip' to skip such steps")
-                done = int(state.step) - step
-                step = int(state.step)
-                epoch_sums["loss"] += float(metrics["loss"]) * done
-                epoch_sums["accuracy"] += float(metrics["accuracy"]) * done
-                epoch_sums["steps"] += done
-                record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4),
-                          "train_loss": float(metrics["loss"]),
-                          "train_accuracy": float(metrics["accuracy"]),
-                          "learning_rate": float(run.schedule(step - 1)),
-                          "input_wait_fraction": round(chunk_wait / max(seconds, 1e-9), 4)}
-                if metrics["nonfinite_steps"]:
-                    record["skipped_steps"] = int(metrics["nonfinite_steps"])
+                if tracing:
+                    traced_seconds += seconds
+                    if step + length == traced[1]:
+                        tracing = False
+                        profile_table = finish_profile(workdir, traced, traced_seconds,
+                                                       reporter)
+                previous, step = step, int(state.step)
                 epoch_done = step % run.steps_per_epoch == 0
                 last = step == run.total_steps
-                if evaluates_after(step, run.steps_per_epoch, run.total_steps,
-                                   config.eval.every_epochs):
+                stopping = parallel.any_process(stop())
+                evaluating = evaluates_after(step, run.steps_per_epoch, run.total_steps,
+                                             config.eval.every_epochs, config.eval.every_steps)
+                ends = [s for s in range(previous + 1, step + 1) if on_grid(s)]
+                if (epoch_done or last or stopping or evaluating) and step not in ends[-1:]:
+                    ends.append(step)
+                rows = metrics_rows(metrics["per_step"], previous, ends)
+                for row in rows:
+                    row.update(epoch=round(row["step"] / run.steps_per_epoch, 4),
+                               learning_rate=float(run.schedule(row["step"] - 1)),
+                               input_wait_fraction=round(chunk_wait / max(seconds, 1e-9), 4),
+                               seconds=round(train_seconds - seconds * (step - row["step"])
+                                             / max(step - previous, 1), 4))
+                epoch_sums = add_to_epoch(epoch_sums, metrics["per_step"])
+                record = rows[-1] if rows else record
+                clock.lap("train")
+                if evaluating:
                     test_metrics, seconds = train.timed(eval_fn, state, *eval_arrays)
                     test_metrics = {k: float(v) for k, v in jax.device_get(test_metrics).items()}
                     eval_seconds += seconds
                     train_seconds += seconds
                     record.update(test_loss=test_metrics["loss"],
-                                  test_accuracy=test_metrics["accuracy"])
-                record["seconds"] = round(train_seconds, 4)
-                reporter.log(record)
+                                  test_accuracy=test_metrics["accuracy"],
+                                  seconds=round(train_seconds, 4))
+                    clock.lap("eval")
+                for row in rows:
+                    reporter.log(row)
                 if epoch_done or last:
-                    reporter.print_row(dict(
-                        record, train_loss=epoch_sums["loss"] / max(epoch_sums["steps"], 1),
-                        train_accuracy=epoch_sums["accuracy"] / max(epoch_sums["steps"], 1)))
+                    reporter.print_row(dict(record, **epoch_means(epoch_sums)))
                     epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-                stopping = parallel.any_process(stop())
+                clock.lap("train")
                 if last or stopping or (every_save > 0 and step % every_save == 0):
                     meta, input_state = checkpoint_meta(
                         run, config, state, train_seconds, eval_seconds), None
                     if streaming:
                         meta["input"], input_state = stream.checkpoint()
                     checkpoint.save(manager, state, data_key, meta, input_state)
+                    clock.lap("checkpoint")
                 if stopping:
                     checkpoint.wait(manager)
-                    raise signals.Interrupted(stop.signal or signal.SIGTERM, step, manager.directory)
+                    raise signals.Interrupted(stop.signal or signal.SIGTERM, step,
+                                              manager.directory)
             checkpoint.wait(manager)
+            clock.lap("checkpoint")
             signals.enter_phase(f"evaluating and writing the reports after the last step; its "
-                        f"checkpoint is saved in {manager.directory}/{step}", stop_at_once=False)
+                                f"checkpoint is saved in {manager.directory}/{step}",
+                                stop_at_once=False)
             if stop():  # a signal while the last checkpoint was written
                 raise signals.Interrupted(stop.signal, step, manager.directory)
     finally:
+        if tracing:
+            jax.profiler.stop_trace()  # stopped or failed inside the traced steps
         if stream is not None:
             stream.close()
         reporter.close()
         manager.close()
+    clock.lap("checkpoint")
 
     if test_metrics is None:  # resumed from a checkpoint of the finished run
-        test_metrics = {k: float(v) for k, v in jax.device_get(eval_fn(state, *eval_arrays)).items()}
+        test_metrics = {k: float(v)
+                        for k, v in jax.device_get(eval_fn(state, *eval_arrays)).items()}
+        clock.lap("eval")
     if main_process:
         reporter.plot()
     summary = {
@@ -180,9 +220,11 @@ def train_and_evaluate(config, workdir: str, *, model=None,
         "test_loss": test_metrics["loss"],
         "train_loss": record.get("train_loss"),
         "params_sha256": checkpoint.params_sha256(state),
-        "train_seconds": train_seconds,
+        "train_seconds": train_seconds,  # training and evaluation, over every resume
+        "train_only_seconds": train_seconds - eval_seconds,
         "eval_seconds": eval_seconds,
         "compile_seconds": compile_seconds,
+        "compilation_cache": cache_dir,
         "data_placement": run.placement,
         "input_wait_fraction": wait_seconds / chunk_seconds if chunk_seconds else 0.0,
         "images_per_second": (run.total_steps * config.train.batch_size
@@ -200,26 +242,127 @@ def train_and_evaluate(config, workdir: str, *, model=None,
         "dataset": run.dataset.origin,
         "config": config.to_dict(),
     }
-    summary["total_seconds"] = time.time() - start_time
+    if profile_table is not None:
+        summary["profile"] = profile_table
+    clock.lap("write")
+    summary["phase_seconds"] = dict(clock.seconds)  # this process's; they add up to the total
+    summary["total_seconds"] = clock.total()
+    reporter.print_line(clock.breakdown())
     reporter.write_summary(summary)
     return summary
 
 
-def plan_chunks(total_steps: int, steps_per_epoch: int, log_every_steps: int,
-                save_every_steps: int = 0, start_step: int = 0):
+def print_now(line: str) -> None:
+    print(line, flush=True)
+
+
+def cache_note(cache_dir: str | None, before: dict) -> str:
+    """' (...)' after the compile line: how many programs the persistent cache gave.
+    Returns a format string for Clock.lap (braces doubled)."""
+    if cache_dir is None:
+        return " (persistent compilation cache off: train.compilation_cache='')"
+    now = xla_cache.counts()
+    hits = now["hits"] - before["hits"]
+    compiled = hits + now["misses"] - before["misses"]
+    return f" ({hits} of {compiled} from the persistent cache in {cache_dir})"
+
+
+def row_grid(log_every_steps: int, steps_per_epoch: int, total_steps: int):
+    """Which steps get a metrics.jsonl row: every multiple of train.log_every_steps, or
+    (0) about ROWS_PER_RUN a run, spread evenly within each epoch and ending on its
+    last step (so no row averages a sliver of steps). Returns step -> bool."""
+    if log_every_steps > 0:
+        return lambda step: step % log_every_steps == 0
+    per_epoch = max(1, round(ROWS_PER_RUN * steps_per_epoch / total_steps))
+    if per_epoch >= steps_per_epoch:
+        return lambda step: True
+    positions = {round(j * steps_per_epoch / per_epoch) for j in range(1, per_epoch + 1)}
+    return lambda step: (step % steps_per_epoch or steps_per_epoch) in positions
+
+
+def metrics_rows(per_step: dict, first: int, ends: list) -> list[dict]:
+    """metrics.jsonl rows of one chunk (steps first+1 ..), one ending at each step in
+    `ends`, from the chunk's per-step metrics: each row is the mean over its finite
+    steps since the row before (None: none finite), with the count of skipped
+    (non-finite) steps where there were any."""
+    rows, begin = [], first
+    for end in ends:
+        window = slice(begin - first, end - first)
+        losses = np.asarray(per_step["loss"][window], np.float64)
+        accuracies = np.asarray(per_step["accuracy"][window], np.float64)
+        finite = np.isfinite(losses)
+        row = {"step": end,
+               "train_loss": float(losses[finite].mean()) if finite.any() else None,
+               "train_accuracy": float(accuracies[finite].mean()) if finite.any() else None}
+        if not finite.all():
+            row["skipped_steps"] = int((~finite).sum())
+        rows.append(row)
+        begin = end
+    return rows
+
+
+def add_to_epoch(sums: dict, per_step: dict) -> dict:
+    losses = np.asarray(per_step["loss"], np.float64)
+    finite = np.isfinite(losses)
+    return {"loss": sums["loss"] + float(losses[finite].sum()),
+            "accuracy": sums["accuracy"] + float(np.asarray(per_step["accuracy"])[finite].sum()),
+            "steps": sums["steps"] + int(finite.sum())}
+
+
+def epoch_means(sums: dict) -> dict:
+    """The console row's training loss and accuracy: the epoch's mean (finite steps)."""
+    steps = max(sums["steps"], 1)
+    return {"train_loss": sums["loss"] / steps, "train_accuracy": sums["accuracy"] / steps}
+
+
+def profile_window(start_step: int, total_steps: int, steps: int):
+    """(first, end) global steps of a --profile trace: `steps` steps after one warm-up step
+    of this process (the first call of a compiled program pays one-off costs); None when
+    not profiling or nothing is left to trace."""
+    if steps <= 0:
+        return None
+    first = start_step + 1
+    if first >= total_steps:
+        print_now(f"--profile={steps}: no step left to trace after the warm-up step "
+                  f"(the run ends at step {total_steps}); nothing traced")
+        return None
+    return first, min(first + steps, total_steps)
+
+
+def finish_profile(workdir: str, traced, seconds: float, reporter) -> dict:
+    """Stops the trace; prints where it is and the ten XLA ops that took the most time."""
+    jax.profiler.stop_trace()
+    steps, directory = traced[1] - traced[0], os.path.join(workdir, PROFILE_DIR)
+    # Shares are of the summed op time: the traced steps' wall time includes the
+    # profiler's own overhead, so it is reported beside them, not divided by.
+    trace = profile.newest_trace(directory)
+    table = profile.op_table(trace, steps)
+    table["traced_wall_seconds_per_step"] = seconds / steps
+    perfetto = os.path.join(os.path.dirname(trace), "perfetto_trace.json.gz")
+    reporter.print_line(f"profile of steps {traced[0] + 1}-{traced[1]} ({seconds / steps * 1e3:.2f}"
+                        f" ms a step under the profiler): `tensorboard --logdir {directory}` "
+                        f"(profile plugin), or open {perfetto} at ui.perfetto.dev\n"
+                        + profile.format_op_table(table))
+    return table
+
+
+def plan_chunks(total_steps: int, steps_per_epoch: int, every_steps=(), start_step: int = 0,
+                breaks=()):
     """[(epoch, first_step_in_epoch, num_steps)] from start_step to total_steps.
 
-    Chunks end at every epoch end, every log_every_steps within an epoch and
-    every multiple of save_every_steps. The grid does not depend on start_step,
-    so a resumed run computes the same chunks as an uninterrupted one.
+    Chunks end at every epoch end, at every multiple of each interval in every_steps
+    (checkpoints, evaluations; 0 = none) and at the steps in breaks. The grid does not
+    depend on start_step, so a resumed run computes the same chunks as an uninterrupted
+    one. Metrics rows need no chunk end: they come from each chunk's per-step metrics.
     """
-    chunk = log_every_steps if 0 < log_every_steps < steps_per_epoch else steps_per_epoch
     plan, step = [], start_step
     while step < total_steps:
         epoch, in_epoch = divmod(step, steps_per_epoch)
-        end = min(step - in_epoch + steps_per_epoch, step - in_epoch % chunk + chunk, total_steps)
-        if save_every_steps > 0:
-            end = min(end, step - step % save_every_steps + save_every_steps)
+        end = min(step - in_epoch + steps_per_epoch, total_steps)
+        for every in every_steps:
+            if every > 0:
+                end = min(end, step - step % every + every)
+        end = min([end] + [b for b in breaks if b > step])
         plan.append((epoch, in_epoch, end - step))
         step = end
     return plan
@@ -232,11 +375,14 @@ def save_interval(config, steps_per_epoch: int) -> int:
     return max(config.checkpoint.every_epochs, 0) * steps_per_epoch
 
 
-def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epochs: int):
-    """Evaluation schedule: after the last step and every `every_epochs` epochs."""
+def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epochs: int,
+                    every_steps: int = 0):
+    """Evaluation schedule: after the last step, every `every_epochs` epochs and every
+    `every_steps` steps (0: neither)."""
     epoch_done = step % steps_per_epoch == 0
-    return step == total_steps or (epoch_done and every_epochs > 0
-                                   and (step // steps_per_epoch) % every_epochs == 0)
+    return (step == total_steps
+            or (epoch_done and every_epochs > 0 and (step // steps_per_epoch) % every_epochs == 0)
+            or (every_steps > 0 and step % every_steps == 0))
 
 
 def checkpoint_meta(run: prepare.Setup, config, state, train_seconds: float, eval_seconds: float):
@@ -254,7 +400,7 @@ def check_resumable(workdir: str, config) -> None:
     """A workdir with checkpoints resumes only the recipe that wrote them: any change that
     alters training (checks.recipe_changes) stops here, before anything is loaded or
     written, unless checkpoint.allow_recipe_change says to go on (and then it is said)."""
-    path = os.path.join(workdir, CONFIG_FILE)
+    path = os.path.join(workdir, checkpoint.CONFIG_FILE)
     directory = checkpoint.checkpoint_dir(workdir)
     saved_steps = [n for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(
         directory) else []

@@ -31,18 +31,24 @@ class Setup(NamedTuple):
     total_steps: int
 
 
-def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
+def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation).
 
     The state is replicated over `mesh` (default: all devices), the data-parallel layout.
     With abstract_state, the state holds only shapes and dtypes (jax.eval_shape): for
     callers that build the state inside their own program, it saves compiling the init.
     `model`: a Flax Linen or NNX module instance to train instead of model.name's.
+    `clock` (phases.Clock): times loading, statistics and building, a line each.
     """
+    lap = clock.lap if clock is not None else lambda *args: None
     checks.check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
     dataset, placement, placement_reason = input.load(config.data)
+    lap("load", f"loaded {config.data.name} from {dataset.origin} ({len(dataset.x_train):,} "
+                f"training and {len(dataset.x_test):,} test images)")
+    computed = not (tuple(config.data.mean) and tuple(config.data.std))
     mean, std = channel_stats(dataset, config)
+    lap("statistics", "computed the channel mean and std" if computed else None)
     batch_size = config.train.batch_size
     steps_per_epoch = len(dataset.x_train) // batch_size
     if steps_per_epoch == 0:
@@ -79,6 +85,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None) -> Setup:
                              image_shape=dataset.image_shape, sharding=replicated,
                              stem_kernel=stem_kernel)
     state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
+    lap("build", f"built {config.model.name} ({models.count_params(state.params):,} parameters)"
+                 " and its optimiser state")
     return Setup(mesh, dataset, placement, placement_reason, model, stem_kernel, mean, std,
                  schedule, state, data_key, steps_per_epoch, total_steps)
 
@@ -126,15 +134,20 @@ def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
     channels = dataset.image_shape[-1]
     if not mean or not std:
         # from each channel's histogram of byte values: exact, and ~10x faster than
-        # numpy's mean and std over axes (0, 1, 2) of a uint8 array. A streamed
-        # folder: from STATS_IMAGES images spread evenly over it.
+        # numpy's mean and std over axes (0, 1, 2) of a uint8 array; counted 1024
+        # images at a time (bincount widens its input to int64: one block stays in
+        # cache, 4-15x faster than the whole split at once). A streamed folder: from
+        # STATS_IMAGES images spread evenly over it.
         images = dataset.x_train
         if not isinstance(images, np.ndarray):
             images = images[np.linspace(0, len(images) - 1, min(len(images), STATS_IMAGES),
                                         dtype=np.int64)]
-        pixels = images.reshape(-1, channels)
         values = np.arange(256, dtype=np.float64) / 255.0
-        counts = [np.bincount(pixels[:, c], minlength=256) for c in range(channels)]
+        counts = np.zeros((channels, 256), np.int64)
+        for start in range(0, len(images), 1024):
+            pixels = images[start:start + 1024].reshape(-1, channels)
+            for c in range(channels):
+                counts[c] += np.bincount(pixels[:, c], minlength=256)
         means = [float(values @ n / n.sum()) for n in counts]
         stds = [float(np.sqrt(((values - m) ** 2) @ n / n.sum())) for m, n in zip(means, counts)]
         mean, std = mean or tuple(means), std or tuple(stds)

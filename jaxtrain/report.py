@@ -40,6 +40,20 @@ def read_metrics(workdir: str) -> list[dict]:
     return records
 
 
+def import_tensorboardx():
+    """tensorboardX, imported without torch: it imports torch when it can (about a
+    second) only to accept torch tensors, and jaxtrain logs plain floats."""
+    if "torch" in sys.modules:
+        import tensorboardX
+        return tensorboardX
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError, which it handles
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules["torch"]
+    return tensorboardX
+
+
 class Reporter:
     """Writes every logged record to metrics.jsonl and TensorBoard as it arrives.
 
@@ -51,8 +65,7 @@ class Reporter:
                  write: bool = True):
         """start_step > 0 continues a resumed run: records up to it are kept, later ones
         (written after the checkpoint the run resumed from) are dropped."""
-        import tensorboardX  # deferred: only runs that report need it
-
+        tensorboardX = import_tensorboardx()
         self.workdir = workdir
         self.write = write
         self.stream = stream or sys.stdout
@@ -104,22 +117,39 @@ class Reporter:
         self._metrics.close()
 
     def plot(self) -> str:
-        """Loss and accuracy against step, train and test, as workdir/curves.png."""
+        """Loss, accuracy (train and test) and learning rate against step, as
+        workdir/curves.png. Points get markers when there are few of them, so a short
+        run or a single test point still shows."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-        for split, style in (("train", "-"), ("test", "o-")):
-            points = [r for r in self.records if f"{split}_loss" in r]
+        fig, (loss_ax, acc_ax, lr_ax) = plt.subplots(1, 3, figsize=(15, 4))
+        for split, color in (("train", "tab:blue"), ("test", "tab:orange")):
+            points = [r for r in self.records if r.get(f"{split}_loss") is not None]
             steps = [r["step"] for r in points]
-            loss_ax.plot(steps, [r[f"{split}_loss"] for r in points], style, label=split)
-            acc_ax.plot(steps, [r[f"{split}_accuracy"] for r in points], style, label=split)
-        for ax, name in ((loss_ax, "loss"), (acc_ax, "accuracy")):
+            style = dict(color=color,
+                         label=f"{split} ({len(points)} point{'s' if len(points) != 1 else ''})",
+                         marker="o" if split == "test" or len(points) <= 60 else None,
+                         markersize=4 if split == "train" else 5)
+            loss_ax.plot(steps, [r[f"{split}_loss"] for r in points], **style)
+            acc_ax.plot(steps, [r[f"{split}_accuracy"] for r in points], **style)
+        rates = [r for r in self.records if "learning_rate" in r]
+        lr_ax.plot([r["step"] for r in rates], [r["learning_rate"] for r in rates],
+                   color="tab:green", marker="o" if len(rates) <= 60 else None, markersize=3)
+        last = self.records[-1] if self.records else {}
+        for ax, name in ((loss_ax, "loss"), (acc_ax, "accuracy"), (lr_ax, "learning rate")):
             ax.set_xlabel("step")
-            ax.set_ylabel(name)
+            ax.set_title(name)
             ax.grid(alpha=0.3)
+            ax.set_xlim(0, max(last.get("step", 1), 1) * 1.02)
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        for ax in (loss_ax, acc_ax):
             ax.legend()
+        acc_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        if last:
+            fig.suptitle(f"{last['step']} steps, {last.get('epoch', 0):g} epochs")
         fig.tight_layout()
         path = os.path.join(self.workdir, PLOT_FILE)
         fig.savefig(path, dpi=100)

@@ -2,8 +2,8 @@
 
 The data path runs one way: host uint8 arrays are put on the device once; every
 step gathers its batch from the device-resident arrays, augments and
-normalises it inside the compiled program; a chunk of steps (an epoch, or
-`train.log_every_steps` steps) is one `lax.scan`, so Python runs once per
+normalises it inside the compiled program; a chunk of steps (an epoch, or up to
+the next checkpoint or evaluation) is one `lax.scan`, so Python runs once per
 chunk, not once per step (on the CPU, once per step: see `resolve_loop`).
 Streamed batches (input.py) go through the same step. The host loop that
 drives the chunks is jaxtrain/loop.py.
@@ -136,12 +136,14 @@ def train_step_streamed(state, images, labels, indices, data_key, epoch, step, *
 
 def summarize_chunk(steps, metrics):
     """Mean metrics over a chunk's finite steps, its first step with a non-finite loss
-    (-1: none) and how many such steps it had."""
+    (-1: none), how many such steps it had, and every step's metrics ("per_step"): the
+    loop's metrics rows come from these, so logging often costs no extra chunk."""
     finite = jnp.isfinite(metrics["loss"])
     summary = {name: jnp.sum(jnp.where(finite, values, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
                for name, values in metrics.items()}
     summary["nonfinite_step"] = jnp.where(jnp.all(finite), -1, steps[jnp.argmin(finite)])
     summary["nonfinite_steps"] = jnp.sum(~finite)
+    summary["per_step"] = metrics
     return summary
 
 

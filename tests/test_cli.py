@@ -138,6 +138,9 @@ print(json.dumps(results))
 """
 
 
+ANY_VALUE = ("data.dir", "train.compilation_cache", "seed")
+
+
 def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
     """For every key of jaxtrain/defaults.py, through main.py's own parsing and main():
     exactly one `error:` line, no traceback, exit status 2, nothing written."""
@@ -145,7 +148,7 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
     config = defaults.get_config()
     cases, expected = [], {}
     for key in keys:
-        if key in ("data.dir", "seed"):  # any string or int is a value these may take
+        if key in ANY_VALUE:  # any string or int is a value these may take
             continue
         default = checks._value(config, key)
         for value in bad_values(key, default):
@@ -154,9 +157,10 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
             expected[override] = key
     ranged = {k for k in keys if k in checks.RANGES}
     # A key added without a rule must get one (booleans take any value of their type;
-    # data.dir and seed any string and int; model.name has its own check).
+    # data.dir, train.compilation_cache and seed any string and int; model.name has its
+    # own check).
     assert {k for k in keys if not isinstance(checks._value(config, k), bool)} - {
-        "data.dir", "seed", "model.name"} <= ranged
+        *ANY_VALUE, "model.name"} <= ranged
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases), MAIN], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -155,11 +155,6 @@ def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
         assert float(other["loss"]) == pytest.approx(float(results[0]["loss"]), rel=1e-5)
 
 
-def test_plan_chunks_never_cross_an_epoch():
-    assert loop.plan_chunks(7, 3, 2) == [(0, 0, 2), (0, 2, 1), (1, 0, 2), (1, 2, 1), (2, 0, 1)]
-    assert loop.plan_chunks(6, 3, 0) == [(0, 0, 3), (1, 0, 3)]
-
-
 @pytest.mark.parametrize("key,value,message", [
     ("train__precision", "float16", "config.train.precision='float16'"),
     ("eval__tta", "rotate", "config.eval.tta='rotate'"),

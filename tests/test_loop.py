@@ -1,0 +1,199 @@
+"""jaxtrain/loop.py and phases.py: the host loop's chunks, metrics rows, phase timing,
+--profile and the persistent compilation cache, through main.py as a user runs it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxtrain import loop, phases, prepare, report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- chunks and rows
+
+def test_chunks_end_at_epochs_checkpoints_evaluations_and_breaks_only():
+    assert loop.plan_chunks(7, 3, (2,)) == [(0, 0, 2), (0, 2, 1), (1, 0, 1), (1, 1, 2), (2, 0, 1)]
+    assert loop.plan_chunks(6, 3) == [(0, 0, 3), (1, 0, 3)]
+    assert loop.plan_chunks(10, 5, (0, 4), breaks=(1, 3)) == [
+        (0, 0, 1), (0, 1, 2), (0, 3, 1), (0, 4, 1), (1, 0, 3), (1, 3, 2)]
+    # a resumed run meets the same grid
+    assert loop.plan_chunks(10, 5, (4,), start_step=6) == [(1, 1, 2), (1, 3, 2)]
+
+
+@pytest.mark.parametrize("total, per_epoch", [(20, 12500), (4680, 468), (25000, 12500),
+                                              (243, 30), (97, 97), (10, 3)])
+def test_about_fifty_rows_a_run_ending_on_every_epoch(total, per_epoch):
+    on_grid = loop.row_grid(0, per_epoch, total)
+    rows = [step for step in range(1, total + 1) if on_grid(step)]
+    assert min(total, 40) <= len(rows) <= 70, len(rows)
+    assert all(on_grid(epoch_end) for epoch_end in range(per_epoch, total + 1, per_epoch))
+    gaps = np.diff([0, *rows])
+    assert gaps.max() <= 2 * max(gaps.min(), 1) + 1  # evenly spread, no slivers
+
+
+def test_an_explicit_interval_is_kept():
+    on_grid = loop.row_grid(100, 468, 4680)
+    assert [s for s in range(1, 501) if on_grid(s)] == [100, 200, 300, 400, 500]
+
+
+def test_rows_average_their_steps_and_count_skipped_ones():
+    per_step = {"loss": np.array([1.0, 3.0, np.nan, 5.0, np.nan]),
+                "accuracy": np.array([0.5, 0.5, 0.0, 1.0, 0.0])}
+    rows = loop.metrics_rows(per_step, 10, [12, 14, 15])
+    assert rows[0] == {"step": 12, "train_loss": 2.0, "train_accuracy": 0.5}
+    assert rows[1] == {"step": 14, "train_loss": 5.0, "train_accuracy": 1.0, "skipped_steps": 1}
+    assert rows[2] == {"step": 15, "train_loss": None, "train_accuracy": None,
+                       "skipped_steps": 1}
+
+
+def test_eval_every_steps_adds_test_points():
+    assert [s for s in range(1, 21) if loop.evaluates_after(s, 100, 20, 1, 8)] == [8, 16, 20]
+    assert [s for s in range(1, 21) if loop.evaluates_after(s, 5, 20, 2, 0)] == [10, 20]
+
+
+def test_channel_statistics_equal_numpy_over_the_whole_split():
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (2500, 8, 8, 3), dtype=np.uint8)
+    images[:, :, :, 2] //= 3  # channels differ
+    dataset = type("D", (), {"x_train": images, "image_shape": (8, 8, 3)})()
+    config = type("C", (), {"data": type("Data", (), {"mean": (), "std": ()})()})()
+    mean, std = prepare.channel_stats(dataset, config)
+    np.testing.assert_allclose(mean, (images / 255.0).mean(axis=(0, 1, 2)), rtol=1e-9)
+    np.testing.assert_allclose(std, (images / 255.0).std(axis=(0, 1, 2)), rtol=1e-9)
+
+
+# ---------------------------------------------------------------- phases
+
+def test_laps_partition_the_time_and_print_their_lines():
+    lines = []
+    clock = phases.Clock(say=lines.append)
+    clock.lap("imports", "imported")
+    clock.lap("load", "loaded {seconds:.0f}x")
+    clock.lap("train")
+    clock.lap("train")
+    assert lines[0].startswith("imported in ") and lines[0].endswith(" s")
+    assert lines[1] == "loaded 0x" and len(lines) == 2
+    assert abs(sum(clock.seconds.values()) - clock.total()) < 0.01
+    assert clock.breakdown().startswith("time: ") and "total" in clock.breakdown()
+
+
+def test_a_cache_that_is_off_says_how_it_was_turned_off():
+    assert loop.cache_note(None, {}) == (
+        " (persistent compilation cache off: train.compilation_cache='')")
+
+
+def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    snippet = ("import sys\nfrom jaxtrain import xla_cache\n"
+               "try:\n    xla_cache.enable(sys.argv[1])\n"
+               "except xla_cache.ConfigError as error:\n    print(error)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    result = subprocess.run([sys.executable, "-c", snippet, str(blocker / "xla")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.stdout.strip() == (
+        f"config.train.compilation_cache='{blocker / 'xla'}': cannot create it (Not a "
+        "directory); set train.compilation_cache='' to run without the compilation cache")
+
+
+# ---------------------------------------------------------------- main.py, as a user runs it
+
+def main_py(workdir, data_dir, home, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    return subprocess.run(
+        [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
+         f"--config.data.dir={data_dir}", "--config.data.source=files",
+         "--config.train.num_steps=20", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=300, env=dict(env, HOME=str(home)))
+
+
+@pytest.fixture(scope="module")
+def profiled_run(cifar_batches_dir, tmp_path_factory):
+    """20 steps, test points every 8 steps, 3 steps profiled; HOME is a fresh folder, so
+    the compilation cache starts empty. Then the same recipe again in a new workdir."""
+    home, root = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("runs")
+    first = main_py(root / "first", cifar_batches_dir, home, "--profile=3",
+                    "--config.eval.every_steps=8")
+    again = main_py(root / "again", cifar_batches_dir, home)
+    return home, root, first, again
+
+
+def test_the_console_names_each_phase_as_it_ends(profiled_run):
+    _, root, first, _ = profiled_run
+    assert first.returncode == 0, first.stderr[-2000:]
+    lines = first.stdout.splitlines()
+    starts = ["imported JAX, Flax and jaxtrain in ", "loaded cifar10 from ", "built seed_cnn (",
+              "compiled the training and evaluation programs in "]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(start))
+             for start in starts]
+    assert found == sorted(found) and found[0] == 0, lines[:6]
+    assert lines[-2].startswith("time: imports ") and "; total " in lines[-2]
+
+
+def test_the_summary_accounts_for_the_whole_process(profiled_run):
+    _, root, first, _ = profiled_run
+    summary = json.loads((root / "first" / report.SUMMARY_FILE).read_text())
+    parts = summary["phase_seconds"]
+    assert set(parts) == set(phases.NAMES)
+    assert abs(sum(parts.values()) - summary["total_seconds"]) < 1.0
+    assert parts["imports"] > 0 and parts["compile"] > 0 and parts["train"] > 0
+    assert summary["train_only_seconds"] == pytest.approx(
+        summary["train_seconds"] - summary["eval_seconds"])
+    assert summary["eval_seconds"] > 0
+
+
+def test_rows_for_a_curve_and_test_points_every_n_steps(profiled_run):
+    _, root, first, _ = profiled_run
+    rows = report.read_metrics(str(root / "first"))
+    assert [r["step"] for r in rows] == list(range(1, 21))  # 20 steps: a row each
+    assert all(r["learning_rate"] == pytest.approx(0.001) for r in rows)
+    assert [r["step"] for r in rows if "test_accuracy" in r] == [8, 16, 20]
+    seconds = [r["seconds"] for r in rows]
+    assert seconds == sorted(seconds)
+    from PIL import Image
+    with Image.open(root / "first" / report.PLOT_FILE) as image:
+        assert image.size == (1500, 400)  # loss, accuracy and learning-rate panels
+
+
+def test_profile_writes_a_trace_and_prints_the_costliest_ops(profiled_run):
+    _, root, first, _ = profiled_run
+    profile_dir = root / "first" / loop.PROFILE_DIR
+    assert list(profile_dir.rglob("*.xplane.pb")) and list(profile_dir.rglob(
+        "perfetto_trace.json.gz"))
+    out = first.stdout
+    assert "profile of steps 2-4 (" in out and f"tensorboard --logdir {profile_dir}" in out
+    table = out.split("top ", 1)[1].splitlines()
+    assert table[0].startswith("10 of ") and "3 traced steps" in table[0]
+    assert len([line for line in table[1:11] if "% of op time" in line]) == 10
+    summary = json.loads((root / "first" / report.SUMMARY_FILE).read_text())
+    assert len(summary["profile"]["top_ops"]) == 10
+
+
+def test_the_second_run_reads_its_programs_from_the_cache(profiled_run):
+    home, root, first, again = profiled_run
+    assert again.returncode == 0, again.stderr[-2000:]
+    cache = home / ".cache" / "jaxtrain" / "xla"
+    assert cache.is_dir() and any(cache.iterdir())
+    assert f"(0 of 3 from the persistent cache in {cache})" in first.stdout
+    assert f"(3 of 3 from the persistent cache in {cache})" in again.stdout
+    summary = json.loads((root / "again" / report.SUMMARY_FILE).read_text())
+    assert summary["compilation_cache"] == str(cache)
+    before = json.loads((root / "first" / report.SUMMARY_FILE).read_text())
+    assert summary["params_sha256"] == before["params_sha256"]
+
+
+def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
+    snippet = ("import sys\n"
+               "import jaxtrain.__main__, jaxtrain.loop, jaxtrain.report\n"
+               "jaxtrain.report.Reporter(sys.argv[1], total_steps=1).close()\n"
+               "heavy = {'torch', 'tensorflow', 'tensorflow_datasets', 'matplotlib'}\n"
+               "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
+    result = subprocess.run([sys.executable, "-c", snippet, str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
