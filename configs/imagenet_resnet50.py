@@ -46,6 +46,7 @@ def get_config():
     config.train.label_smoothing = 0.1
     config.train.precision = "bfloat16"
     config.train.log_every_steps = 250
+    config.train.chunk_steps = 250  # several processes stop for a signal within 250 steps
     config.checkpoint.every_steps = 2500
     config.eval.batch_size = 500
     config.eval.every_epochs = 1

@@ -165,6 +165,7 @@ RANGES = {
     "train.label_smoothing": (_within(0, 1, open_high=True), "in [0, 1)"),
     "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: about 50 rows a run)"),
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
+    "train.chunk_steps": (_at_least(0, True), "an int >= 0 (0: an epoch)"),
     "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
     "train.compilation_cache": (lambda v: isinstance(v, str), "a folder, or '' (off)"),
     "checkpoint.every_steps": (_at_least(0, True), "an int >= 0 (0: checkpoint.every_epochs)"),
@@ -235,7 +236,8 @@ def check_config(config) -> None:
 # Keys whose change leaves the training trajectory as it was (reporting, evaluation,
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).
-RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.compilation_cache",
+RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
+                     "train.compilation_cache",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
                      "data.workers")
 

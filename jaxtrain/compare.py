@@ -211,7 +211,7 @@ class Progress:
         """Evaluates when jaxtrain would; says whether it did (train_loss() is the mean
         since the last evaluation)."""
         if not loop.evaluates_after(step, self.steps_per_epoch, self.total_steps,
-                               self.config.eval.every_epochs):
+                                    self.config.eval.every_epochs, self.config.eval.every_steps):
             return False
         start = self.seconds()
         self.metrics = self.evaluate()

@@ -72,7 +72,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     on_grid = row_grid(config.train.log_every_steps, run.steps_per_epoch, run.total_steps)
     traced = profile_window(start_step, run.total_steps, profile_steps)
     plan = plan_chunks(run.total_steps, run.steps_per_epoch,
-                       (every_save, config.eval.every_steps), start_step, breaks=traced or ())
+                       (every_save, config.eval.every_steps, config.train.chunk_steps), start_step,
+                       breaks=traced or ())
     stream = x_train = y_train = None
     if streaming:
         stream = prepare.open_stream(config, run, data_key)
@@ -112,7 +113,6 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                           steps=run.total_steps, compile_seconds=compile_seconds)
     clock.lap("write")
     step = start_step
-    epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
     test_metrics = profile_table = None
     tracing = False
     wait_seconds = chunk_seconds = traced_seconds = 0.0
@@ -164,7 +164,6 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                                input_wait_fraction=round(chunk_wait / max(seconds, 1e-9), 4),
                                seconds=round(train_seconds - seconds * (step - row["step"])
                                              / max(step - previous, 1), 4))
-                epoch_sums = add_to_epoch(epoch_sums, metrics["per_step"])
                 record = rows[-1] if rows else record
                 clock.lap("train")
                 if evaluating:
@@ -179,8 +178,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                 for row in rows:
                     reporter.log(row)
                 if epoch_done or last:
-                    reporter.print_row(dict(record, **epoch_means(epoch_sums)))
-                    epoch_sums = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
+                    reporter.print_row(dict(record, **epoch_means(reporter.records,
+                                                                  run.steps_per_epoch)))
                 clock.lap("train")
                 if last or stopping or (every_save > 0 and step % every_save == 0):
                     meta, input_state = checkpoint_meta(
@@ -218,7 +217,7 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     summary = {
         "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"],
-        "train_loss": record.get("train_loss"),
+        "train_loss": epoch_means(reporter.records, run.steps_per_epoch).get("train_loss"),
         "params_sha256": checkpoint.params_sha256(state),
         "train_seconds": train_seconds,  # training and evaluation, over every resume
         "train_only_seconds": train_seconds - eval_seconds,
@@ -301,18 +300,28 @@ def metrics_rows(per_step: dict, first: int, ends: list) -> list[dict]:
     return rows
 
 
-def add_to_epoch(sums: dict, per_step: dict) -> dict:
-    losses = np.asarray(per_step["loss"], np.float64)
-    finite = np.isfinite(losses)
-    return {"loss": sums["loss"] + float(losses[finite].sum()),
-            "accuracy": sums["accuracy"] + float(np.asarray(per_step["accuracy"])[finite].sum()),
-            "steps": sums["steps"] + int(finite.sum())}
-
-
-def epoch_means(sums: dict) -> dict:
-    """The console row's training loss and accuracy: the epoch's mean (finite steps)."""
-    steps = max(sums["steps"], 1)
-    return {"train_loss": sums["loss"] / steps, "train_accuracy": sums["accuracy"] / steps}
+def epoch_means(records: list, steps_per_epoch: int) -> dict:
+    """Training loss and accuracy over the last epoch the rows reach (or its steps so far):
+    the rows' means weighted by their steps. The console's epoch rows and summary.json's
+    train_loss; from the rows, so a resumed run gets the uninterrupted run's figures."""
+    if not records:
+        return {}
+    last = records[-1]["step"]
+    epoch_start = (last - 1) // steps_per_epoch * steps_per_epoch
+    sums, previous = {"train_loss": 0.0, "train_accuracy": 0.0, "steps": 0}, epoch_start
+    for row in records:
+        if row["step"] <= epoch_start:
+            continue
+        steps = row["step"] - previous - row.get("skipped_steps", 0)
+        previous = row["step"]
+        if row.get("train_loss") is None or steps <= 0:
+            continue
+        sums["train_loss"] += row["train_loss"] * steps
+        sums["train_accuracy"] += row["train_accuracy"] * steps
+        sums["steps"] += steps
+    if not sums["steps"]:
+        return {"train_loss": None, "train_accuracy": None}
+    return {key: sums[key] / sums["steps"] for key in ("train_loss", "train_accuracy")}
 
 
 def profile_window(start_step: int, total_steps: int, steps: int):

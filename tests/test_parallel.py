@@ -105,6 +105,7 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batc
     """SIGTERM to process 1 only: both save one checkpoint together and exit; a rerun resumes."""
     address = f"localhost:{free_port()}"
     args = [*RECIPE, "--config.train.num_steps=60", "--config.checkpoint.every_epochs=0",
+            "--config.train.chunk_steps=5",
             f"--workdir={tmp_path}",
             f"--config.data.dir={cifar_batches_dir}", f"--coordinator_address={address}",
             "--num_processes=2"]
