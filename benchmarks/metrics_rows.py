@@ -7,11 +7,14 @@ Rows come from each chunk's per-step metrics, so every setting runs the same com
 chunks (one per epoch); what differs is the host's work per row. --before runs the
 recipe in an older checkout too (there a row needed a chunk of its own, and chunks
 returned no per-step metrics). Figures are each setting's median training time
-(train_seconds - eval_seconds, summary.json) over the rounds, settings interleaved.
+(train_seconds - eval_seconds, summary.json: the compiled chunks) and of the whole
+training phase with the host's rows, TensorBoard and console work (phase_seconds'
+train; not in --before's), over the rounds, settings interleaved.
 CPU timings here are noisy: compare within one run of this script.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -21,7 +24,7 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train_only_seconds(repo: str, workdir: str, *overrides: str) -> tuple[float, int]:
+def train_only_seconds(repo: str, workdir: str, *overrides: str) -> tuple[float, float, int]:
     command = [sys.executable, "main.py", "--config=configs/fashion_mnist_mlp.py",
                f"--workdir={workdir}", *overrides]
     done = subprocess.run(command, cwd=repo, capture_output=True, text=True)
@@ -31,7 +34,8 @@ def train_only_seconds(repo: str, workdir: str, *overrides: str) -> tuple[float,
         summary = json.load(f)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = sum(1 for _ in f)
-    return summary["train_seconds"] - summary["eval_seconds"], rows
+    phase = summary.get("phase_seconds", {}).get("train", float("nan"))
+    return summary["train_seconds"] - summary["eval_seconds"], phase, rows
 
 
 def main() -> None:
@@ -46,22 +50,27 @@ def main() -> None:
     if args.before:
         settings["before: one row per epoch"] = (args.before,)
     seconds = {name: [] for name in settings}
+    phase = {name: [] for name in settings}
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
             for name, (repo, *overrides) in settings.items():
                 workdir = os.path.join(scratch, f"{len(rows)}-{round_}-{name[:3]}")
-                took, rows[name] = train_only_seconds(repo, workdir, *overrides)
+                took, train_phase, rows[name] = train_only_seconds(repo, workdir, *overrides)
                 seconds[name].append(took)
+                phase[name].append(train_phase)
     report = {name: {"rows": rows[name], "median_train_seconds": statistics.median(values),
                      "rounds": [round(v, 3) for v in values],
+                     "median_train_phase_seconds": (None if math.isnan(phase[name][0])
+                                                    else statistics.median(phase[name])),
                      "images_per_second": 4680 * 128 / statistics.median(values)}
               for name, values in seconds.items()}
     base = report["one row per epoch"]["median_train_seconds"]
     for name, entry in report.items():
         entry["vs_one_row_per_epoch"] = round(entry["median_train_seconds"] / base, 3)
-        print(f"{name:28s} {entry['rows']:5d} rows  {entry['median_train_seconds']:.3f} s  "
-              f"x{entry['vs_one_row_per_epoch']:.3f}  rounds {entry['rounds']}")
+        print(f"{name:28s} {entry['rows']:5d} rows  chunks {entry['median_train_seconds']:.3f} s "
+              f"x{entry['vs_one_row_per_epoch']:.3f} (rounds {entry['rounds']}); train phase "
+              f"{entry['median_train_phase_seconds'] or float('nan'):.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
