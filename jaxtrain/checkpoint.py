@@ -28,6 +28,13 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
 
 
+def saved_steps(directory: str) -> list[int]:
+    """The step numbers of the checkpoint folders in `directory` (none if it is missing)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
 def create_manager(directory: str, keep: int = 3, create: bool = True, stream: bool = False):
     """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`;
     `stream`: it also holds the Grain input iterator's state."""

@@ -25,8 +25,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     else:
         directory, step = checkpoint.checkpoint_dir(workdir), None
     if not os.path.isdir(directory if step is None else os.path.join(directory, str(step))):
-        saved = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
-                       if n.isdigit())
+        saved = checkpoint.saved_steps(directory)
         where = f"step {step} in {directory}" if step is not None else directory
         raise checkpoint.CheckpointError(
             f"no checkpoint at {where} (saved steps: "

@@ -43,17 +43,19 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     mesh = parallel.create_mesh()
     prepare.check_batch_split(config.train.batch_size, mesh)
     signals.enter_phase("loading the data and building the model; nothing written yet")
-    run = prepare.setup(config, mesh, model=model, clock=clock)
-    state, data_key = run.state, run.data_key
+    # Resuming: the initial state's shapes only (no init compiled or run for nothing);
+    # the checkpoint fills them.
+    resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
+    run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
     streaming = run.placement == "stream"
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming)
     parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
-    restored = checkpoint.restore(manager, state, data_key)
-    train_seconds = eval_seconds = 0.0
-    if restored is not None:
-        state, data_key, meta = restored
-        train_seconds, eval_seconds = meta["train_seconds"], meta["eval_seconds"]
+    restored = checkpoint.restore(manager, run.state, run.data_key)
+    if restored is None and resuming:  # no step Orbax recognises: start afresh after all
+        run = prepare.setup(config, mesh, model=model)
+    state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
+    train_seconds, eval_seconds = meta.get("train_seconds", 0.0), meta.get("eval_seconds", 0.0)
     start_step = int(state.step)
     clock.lap("restore", None if restored is None else (
         f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
@@ -65,37 +67,21 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     signals.enter_phase(f"compiling; nothing trained in this run yet (checkpoints in "
                         f"{manager.directory})")
 
-    replicated = parallel.replicated(run.mesh)
     eval_arrays = prepare.put_eval_data(config, run)
-    step_kwargs = prepare.step_arguments(config, run)
     every_save = save_interval(config, run.steps_per_epoch)
     on_grid = row_grid(config.train.log_every_steps, run.steps_per_epoch, run.total_steps)
     traced = profile_window(start_step, run.total_steps, profile_steps)
     plan = plan_chunks(run.total_steps, run.steps_per_epoch,
                        (every_save, config.eval.every_steps, config.train.chunk_steps), start_step,
                        breaks=traced or ())
-    stream = x_train = y_train = None
-    if streaming:
-        stream = prepare.open_stream(config, run, data_key)
-        if restored is not None and start_step < run.total_steps:
-            resume_stream(stream, manager, meta, start_step)
-        elif start_step < run.total_steps:
-            stream.open(start_step)
-    else:
-        x_train, y_train = prepare.put_train_data(run)
+    stream, train_arrays = start_input(config, run, data_key, manager, meta, start_step)
     clock.lap("load")  # the copy to the devices, or the stream's start
     cache_before = xla_cache.counts()
-    if streaming:
-        run_chunk = train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
-                                                step_kwargs, replicated)
-    else:
-        kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
-        run_chunk = train.compile_chunks(kind, state, x_train, y_train, data_key,
-                                         {length for _, _, length in plan}, step_kwargs,
-                                         replicated)
+    run_chunk = compile_training(config, run, state, data_key, plan, stream, train_arrays)
     eval_fn = prepare.compile_eval(config, run, state, eval_arrays)
-    compile_seconds = clock.lap("compile", "compiled the training and evaluation programs in "
-                                "{seconds:.1f} s" + cache_note(cache_dir, cache_before))
+    compile_seconds = clock.lap("compile", f"compiled the {'training and ' if plan else ''}"
+                                "evaluation programs in {seconds:.1f} s"
+                                + cache_note(cache_dir, cache_before))
     if streaming and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
     clock.lap("load")
@@ -157,13 +143,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                 ends = [s for s in range(previous + 1, step + 1) if on_grid(s)]
                 if (epoch_done or last or stopping or evaluating) and step not in ends[-1:]:
                     ends.append(step)
-                rows = metrics_rows(metrics["per_step"], previous, ends)
-                for row in rows:
-                    row.update(epoch=round(row["step"] / run.steps_per_epoch, 4),
-                               learning_rate=float(run.schedule(row["step"] - 1)),
-                               input_wait_fraction=round(chunk_wait / max(seconds, 1e-9), 4),
-                               seconds=round(train_seconds - seconds * (step - row["step"])
-                                             / max(step - previous, 1), 4))
+                rows = chunk_rows(metrics["per_step"], previous, ends, run, train_seconds,
+                                  seconds, chunk_wait)
                 record = rows[-1] if rows else record
                 clock.lap("train")
                 if evaluating:
@@ -182,11 +163,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                                                                   run.steps_per_epoch)))
                 clock.lap("train")
                 if last or stopping or (every_save > 0 and step % every_save == 0):
-                    meta, input_state = checkpoint_meta(
-                        run, config, state, train_seconds, eval_seconds), None
-                    if streaming:
-                        meta["input"], input_state = stream.checkpoint()
-                    checkpoint.save(manager, state, data_key, meta, input_state)
+                    save(manager, run, config, state, data_key, stream, train_seconds,
+                         eval_seconds)
                     clock.lap("checkpoint")
                 if stopping:
                     checkpoint.wait(manager)
@@ -249,6 +227,59 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     reporter.print_line(clock.breakdown())
     reporter.write_summary(summary)
     return summary
+
+
+def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start_step: int):
+    """The training data ready for the first step: (None, arrays on the devices), or (a
+    stream opened at start_step, from the checkpoint's Grain state when resuming, None)."""
+    if run.placement != "stream":
+        return None, prepare.put_train_data(run)
+    stream = prepare.open_stream(config, run, data_key)
+    if start_step < run.total_steps:
+        if "step" in meta:
+            resume_stream(stream, manager, meta, start_step)
+        else:
+            stream.open(start_step)
+    return stream, None
+
+
+def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, train_arrays):
+    """The training steps compiled ahead of time: run_chunk (train.compile_chunks), or None
+    when no step is left (a resumed finished run compiles evaluation alone)."""
+    if not plan:
+        return None
+    step_kwargs, replicated = prepare.step_arguments(config, run), parallel.replicated(run.mesh)
+    if stream is not None:
+        return train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
+                                           step_kwargs, replicated)
+    kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+    return train.compile_chunks(kind, state, *train_arrays, data_key,
+                                {length for _, _, length in plan}, step_kwargs, replicated)
+
+
+def chunk_rows(per_step: dict, previous: int, ends: list, run: prepare.Setup,
+               train_seconds: float, seconds: float, wait: float) -> list[dict]:
+    """The metrics rows of a chunk that ran steps previous+1 .. in `seconds` (`wait` of
+    them waiting for input), train_seconds in all: metrics_rows with the epoch, the
+    learning rate and the time, within the chunk in proportion to its steps."""
+    rows = metrics_rows(per_step, previous, ends)
+    step = previous + len(per_step["loss"])
+    for row in rows:
+        row.update(epoch=round(row["step"] / run.steps_per_epoch, 4),
+                   learning_rate=float(run.schedule(row["step"] - 1)),
+                   input_wait_fraction=round(wait / max(seconds, 1e-9), 4),
+                   seconds=round(train_seconds - seconds * (step - row["step"])
+                                 / max(step - previous, 1), 4))
+    return rows
+
+
+def save(manager, run: prepare.Setup, config, state, data_key, stream, train_seconds: float,
+         eval_seconds: float) -> None:
+    """Starts saving a checkpoint of `state`, with the stream's position when streaming."""
+    meta, input_state = checkpoint_meta(run, config, state, train_seconds, eval_seconds), None
+    if stream is not None:
+        meta["input"], input_state = stream.checkpoint()
+    checkpoint.save(manager, state, data_key, meta, input_state)
 
 
 def print_now(line: str) -> None:
@@ -410,10 +441,7 @@ def check_resumable(workdir: str, config) -> None:
     alters training (checks.recipe_changes) stops here, before anything is loaded or
     written, unless checkpoint.allow_recipe_change says to go on (and then it is said)."""
     path = os.path.join(workdir, checkpoint.CONFIG_FILE)
-    directory = checkpoint.checkpoint_dir(workdir)
-    saved_steps = [n for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(
-        directory) else []
-    if not saved_steps or not os.path.isfile(path):
+    if not checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)) or not os.path.isfile(path):
         return
     try:
         with open(path) as f:

@@ -43,7 +43,10 @@ def raise_on_signals() -> None:
     thread, so `finally` blocks run; training itself stops between steps after a
     checkpoint (StopRequest)."""
     def handler(signum, frame):
-        raise Interrupted(signum, phase=PHASE["doing"])
+        # While nothing could be saved, the watcher ends the process; raising here too
+        # could land in a finalizer, where Python prints "Exception ignored" instead.
+        if not PHASE["stop_at_once"]:
+            raise Interrupted(signum, phase=PHASE["doing"])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
     read_end, write_end = os.pipe()
