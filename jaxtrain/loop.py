@@ -51,7 +51,12 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming)
     parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
-    restored = checkpoint.restore(manager, run.state, run.data_key)
+    target = run.state
+    if resuming:  # Orbax restores each array into the layout its target names: this run's
+        replicated = parallel.replicated(run.mesh)
+        target = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated), target)
+    restored = checkpoint.restore(manager, target, run.data_key)
     if restored is None and resuming:  # no step Orbax recognises: start afresh after all
         run = prepare.setup(config, mesh, model=model)
     state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
