@@ -76,6 +76,9 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     every_save = save_interval(config, run.steps_per_epoch)
     on_grid = row_grid(config.train.log_every_steps, run.steps_per_epoch, run.total_steps)
     traced = profile_window(start_step, run.total_steps, profile_steps)
+    if profile_steps and traced is None and main_process:
+        print_now(f"--profile={profile_steps}: no step left to trace after the warm-up step "
+                  f"(the run ends at step {run.total_steps}); nothing traced")
     plan = plan_chunks(run.total_steps, run.steps_per_epoch,
                        (every_save, config.eval.every_steps, config.train.chunk_steps), start_step,
                        breaks=traced or ())
@@ -364,12 +367,8 @@ def profile_window(start_step: int, total_steps: int, steps: int):
     """(first, end) global steps of a --profile trace: `steps` steps after one warm-up step
     of this process (the first call of a compiled program pays one-off costs); None when
     not profiling or nothing is left to trace."""
-    if steps <= 0:
-        return None
     first = start_step + 1
-    if first >= total_steps:
-        print_now(f"--profile={steps}: no step left to trace after the warm-up step "
-                  f"(the run ends at step {total_steps}); nothing traced")
+    if steps <= 0 or first >= total_steps:
         return None
     return first, min(first + steps, total_steps)
 
