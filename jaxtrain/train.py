@@ -238,16 +238,19 @@ def resolve_loop(loop: str, convolutional: bool) -> str:
     return loop
 
 
-def epoch_order_fn(num_examples: int, step_kwargs: dict, out_sharding=None):
+def epoch_order_fn(num_examples: int, step_kwargs: dict, out_sharding=None,
+                   replicas: bool = False):
     """epoch_order for a training split of num_examples images and this run's
-    augmentation, jitted (the Python loop calls it once per epoch)."""
-    return jax.jit(functools.partial(epoch_order, num_examples=num_examples,
-                                     alternate_flip=alternates_flip(step_kwargs["augment_kwargs"])),
+    augmentation, jitted (the Python loop calls it once per epoch); with `replicas`,
+    one order per key of a leading axis of keys."""
+    order = functools.partial(epoch_order, num_examples=num_examples,
+                              alternate_flip=alternates_flip(step_kwargs["augment_kwargs"]))
+    return jax.jit(jax.vmap(order, in_axes=(0, None)) if replicas else order,
                    out_shardings=out_sharding)
 
 
 def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs,
-                   out_sharding=None):
+                   out_sharding=None, replicas: bool = False):
     """Ahead-of-time compiles the training steps; returns
     run_chunk(state, data_key, epoch, first_step, num_steps, should_stop) -> (state, summary).
 
@@ -255,12 +258,17 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
     loop computes the epoch's order once per epoch and calls one compiled
     train_step_at per step; it can stop after any step when should_stop() says
     so. `out_sharding` places the new state and the metrics (replicated, for
-    data parallelism).
+    data parallelism). With `replicas`, the state and data_key carry a leading
+    axis of independent runs, trained together by jax.vmap inside each program
+    (each its own order and augmentation from its key; the data is shared), and
+    every summary array gains that axis too.
     """
+    batched = (lambda fn, axes: jax.vmap(fn, in_axes=axes)) if replicas else (lambda fn, _: fn)
     if loop == "scan":
         chunk_fns = {}
         for length in sorted(lengths):
-            fn = jax.jit(functools.partial(train_epoch_chunk, num_steps=length, **step_kwargs),
+            chunk = functools.partial(train_epoch_chunk, num_steps=length, **step_kwargs)
+            fn = jax.jit(batched(chunk, (0, None, None, 0, None, None)),
                          donate_argnums=0, out_shardings=out_sharding)
             chunk_fns[length] = fn.lower(state, x_train, y_train, data_key, np.int32(0),
                                          np.int32(0)).compile()
@@ -270,12 +278,14 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
                                         np.int32(first_step))
         return run_chunk
 
-    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, out_sharding)
+    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, out_sharding, replicas)
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
-    step_fn = jax.jit(functools.partial(train_step_at, **step_kwargs), donate_argnums=0,
-                      out_shardings=out_sharding)
-    step_fn = step_fn.lower(state, np.int32(0), x_train, y_train,
-                            *order_fn(data_key, np.int32(0))).compile()
+    first_order = order_fn(data_key, np.int32(0))
+    order_axes = (0, 0, None if first_order[2] is None else 0)  # (order, augment key, flips)
+    step_fn = jax.jit(batched(functools.partial(train_step_at, **step_kwargs),
+                              (0, None, None, None, *order_axes)),
+                      donate_argnums=0, out_shardings=out_sharding)
+    step_fn = step_fn.lower(state, np.int32(0), x_train, y_train, *first_order).compile()
     current = {}  # the last epoch's key, number and order: one order_fn call per epoch
 
     def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
@@ -284,13 +294,15 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
         return step_by_step(
             lambda state, step: step_fn(state, np.int32(step), x_train, y_train,
                                         *current["order"]),
-            state, first_step, num_steps, should_stop)
+            state, first_step, num_steps, should_stop, replicas)
     return run_chunk
 
 
-def step_by_step(take_step, state, first_step: int, num_steps: int, should_stop=None):
+def step_by_step(take_step, state, first_step: int, num_steps: int, should_stop=None,
+                 replicas: bool = False):
     """A chunk as one compiled call per step: take_step(state, step) -> (state, metrics)
-    for each step (stopping after any step should_stop() asks to); (state, summary)."""
+    for each step (stopping after any step should_stop() asks to); (state, summary),
+    a summary per replica (leading axis) with `replicas`."""
     metrics = []
     for step in range(first_step, first_step + num_steps):
         state, step_metrics = take_step(state, step)
@@ -299,6 +311,8 @@ def step_by_step(take_step, state, first_step: int, num_steps: int, should_stop=
             break
     stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
     steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)
+    if replicas:  # stacked: (steps, replicas)
+        return state, jax.vmap(summarize_chunk, in_axes=(None, 1))(steps, stacked)
     return state, summarize_chunk(steps, stacked)
 
 

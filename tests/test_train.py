@@ -284,6 +284,50 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
                      result, reference)
 
 
+@pytest.mark.parametrize("name", ["seed_cnn", "mlp"])
+def test_replicas_trained_together_equal_their_single_runs(name):
+    """compile_chunks(replicas=True): three runs with a leading replica axis (each its own
+    initialisation, order, flips and translations) end where each run alone does, float32,
+    BatchNorm, two epochs of chunks in both loops (issue #18's first step)."""
+    model_config = default.get_config().model
+    model_config.name, model_config.batch_norm, model_config.hidden_sizes = name, True, (32,)
+    model = models.create_model(model_config, 10, jnp.float32)
+    tx = optax.sgd(0.05, momentum=0.9)
+    shape = (32, 32, 3) if name == "seed_cnn" else (8, 8, 3)  # LeNet needs 32 px
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (64, *shape), dtype=np.uint8)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment_kwargs=dict(
+                           flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
+    seeds = (0, 1, 2)
+    singles = [train.create_train_state(jax.random.key(s), model, tx, shape) for s in seeds]
+    keys = [jax.random.key(10 + s) for s in seeds]
+    together = jax.tree.map(lambda *leaves: jnp.stack(leaves), *singles)
+    stacked_keys = jnp.stack(keys)
+
+    def train_two_epochs(run_chunk, state, key):
+        for epoch in range(2):
+            state, summary = run_chunk(state, key, epoch, 0, 2)
+            state, summary = run_chunk(state, key, epoch, 2, 2)
+        return state, summary
+
+    for kind in ("scan", "python"):
+        alone = [train_two_epochs(train.compile_chunks(kind, s, x, y, k, {2}, step_kwargs),
+                                  jax.tree.map(jnp.copy, s), k) for s, k in zip(singles, keys)]
+        run_chunk = train.compile_chunks(kind, together, x, y, stacked_keys, {2}, step_kwargs,
+                                         replicas=True)
+        state, summary = train_two_epochs(run_chunk, jax.tree.map(jnp.copy, together),
+                                          stacked_keys)
+        assert summary["per_step"]["loss"].shape == (3, 2)
+        for k, (single, single_summary) in enumerate(alone):
+            replica = jax.tree.map(lambda leaf: leaf[k], (state.params, state.batch_stats))
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                         replica, (single.params, single.batch_stats))
+            np.testing.assert_allclose(summary["loss"][k], single_summary["loss"], rtol=1e-5)
+        assert not np.allclose(summary["loss"][0], summary["loss"][1])  # runs of their own
+
+
 def test_a_skipped_step_uses_up_its_slot_of_the_schedule():
     """nonfinite='skip': the parameters and moments stay, but the schedule moves on with
     state.step, so the rate used next is schedule(state.step), the one the log shows."""
