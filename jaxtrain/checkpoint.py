@@ -28,6 +28,13 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
 
 
+def restore_target(state, sharding):
+    """`state`'s arrays as shapes laid out by `sharding`: what restore fills without an
+    initial state being computed first (Orbax puts each array where its target says)."""
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state)
+
+
 def saved_steps(directory: str) -> list[int]:
     """The step numbers of the checkpoint folders in `directory` (none if it is missing)."""
     if not os.path.isdir(directory):

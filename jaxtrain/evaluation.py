@@ -31,10 +31,12 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
             f"no checkpoint at {where} (saved steps: "
             f"{', '.join(map(str, saved)) if saved else 'none'})")
     xla_cache.enable(config.train.compilation_cache)
-    run = prepare.setup(config)
+    run = prepare.setup(config, abstract_state=True)  # the checkpoint gives the state
     manager = checkpoint.create_manager(directory, create=False)
     try:
-        restored = checkpoint.restore(manager, run.state, run.data_key, step)
+        restored = checkpoint.restore(
+            manager, checkpoint.restore_target(run.state, parallel.replicated(run.mesh)),
+            run.data_key, step)
     finally:
         manager.close()
     if restored is None:

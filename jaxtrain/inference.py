@@ -62,9 +62,8 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         abstract = jax.eval_shape(functools.partial(
             train.create_train_state, model=model, tx=tx, image_shape=tuple(meta["image_shape"])),
             jax.random.key(0))
-        abstract = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), abstract)
-        state, _, meta = checkpoint.restore(manager, abstract, jax.random.key(0), meta["step"])
+        state, _, meta = checkpoint.restore(manager, checkpoint.restore_target(abstract, device),
+                                            jax.random.key(0), meta["step"])
     finally:
         manager.close()
     return Classifier(state, meta, tta or config.eval.tta, config.augment.pad_mode,

@@ -2,6 +2,7 @@
 and saves checkpoints (checkpoint.py) on schedule, times every phase of the process
 (phases.py), and resumes exactly."""
 import copy
+import itertools
 import json
 import os
 import signal
@@ -51,11 +52,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming)
     parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
-    target = run.state
-    if resuming:  # Orbax restores each array into the layout its target names: this run's
-        replicated = parallel.replicated(run.mesh)
-        target = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated), target)
+    target = (checkpoint.restore_target(run.state, parallel.replicated(run.mesh)) if resuming
+              else run.state)
     restored = checkpoint.restore(manager, target, run.data_key)
     if restored is None and resuming:  # no step Orbax recognises: start afresh after all
         run = prepare.setup(config, mesh, model=model)
@@ -348,9 +346,8 @@ def epoch_means(records: list, steps_per_epoch: int) -> dict:
     last = records[-1]["step"]
     epoch_start = (last - 1) // steps_per_epoch * steps_per_epoch
     sums, previous = {"train_loss": 0.0, "train_accuracy": 0.0, "steps": 0}, epoch_start
-    for row in records:
-        if row["step"] <= epoch_start:
-            continue
+    epoch_rows = itertools.takewhile(lambda row: row["step"] > epoch_start, reversed(records))
+    for row in reversed(list(epoch_rows)):
         steps = row["step"] - previous - row.get("skipped_steps", 0)
         previous = row["step"]
         if row.get("train_loss") is None or steps <= 0:
