@@ -92,6 +92,10 @@ def device_resident(run, what: str):
                                 f"streams ({run.placement_reason}); set "
                                 "--config.data.placement=device, or time the loader with "
                                 "--input-only")
+    if run.runs:
+        raise ConfigError(f"{what} times one run: train.replicas and sweep are main.py's "
+                          "(drop them, or run main.py and read summary.json's "
+                          "images_per_second_per_replica)")
     return run
 
 

@@ -77,7 +77,7 @@ def state_tree(state, rng) -> dict:
 def save(manager, state, rng, meta: dict, input_state=None) -> None:
     """Starts an asynchronous save of the state at its step; raises CheckpointError on failure.
     input_state: a Grain iterator (or its frozen state) to save beside it."""
-    step = int(state.step)
+    step = int(np.asarray(state.step.addressable_data(0)).flat[0])  # replicas: all at one step
     items = {"state": ocp.args.StandardSave(state_tree(state, rng)),
              "meta": ocp.args.JsonSave(meta)}
     if input_state is not None:

@@ -9,7 +9,7 @@ import difflib
 import jax.numpy as jnp
 import ml_collections
 
-from jaxtrain import augment, data, defaults, input, models, optim, user_model
+from jaxtrain import augment, data, defaults, input, models, optim, replicas, user_model
 from jaxtrain.errors import ConfigError
 
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -48,7 +48,10 @@ def nearest_name(name: str, names) -> str | None:
 
 def unknown_key_error(key: str, known) -> ConfigError:
     """`unknown config key 'KEY' (did you mean 'NEAREST'?)`: the nearest name in the same
-    block, else the nearest key anywhere."""
+    block, else the nearest key anywhere. A sweep of a key that cannot be swept says so."""
+    not_sweepable = replicas.not_sweepable_error(key, known)
+    if not_sweepable is not None:
+        return not_sweepable
     block, _, name = key.rpartition(".")
     siblings = {k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == block}
     nearest = nearest_name(name, siblings) if siblings else None
@@ -167,6 +170,7 @@ RANGES = {
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
     "train.chunk_steps": (_at_least(0, True), "an int >= 0 (0: an epoch)"),
     "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
+    "train.replicas": (_at_least(1, True), "an int >= 1"),
     "train.compilation_cache": (lambda v: isinstance(v, str), "a folder, or '' (off)"),
     "checkpoint.every_steps": (_at_least(0, True), "an int >= 0 (0: checkpoint.every_epochs)"),
     "checkpoint.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
@@ -177,6 +181,10 @@ RANGES = {
     "eval.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
     "eval.every_steps": (_at_least(0, True), "an int >= 0 (0: off)"),
 }
+# A sweep (replicas.py) takes a tuple of its key's values; () = not swept.
+RANGES.update({f"sweep.{key}": ((lambda works: lambda v: isinstance(v, tuple) and all(
+    works(x) for x in v))(RANGES[key][0]), f"() or a tuple of values each {RANGES[key][1]}")
+    for key in replicas.SWEEPABLE})
 # A parameter group's own settings take the top-level optimizer key's values.
 GROUP_RANGES = {"lr_scale": (_at_least(0), ">= 0"),
                 "train_steps": (_at_least(0, True), "an int >= 0 (0: every step)"),
@@ -231,6 +239,7 @@ def check_config(config) -> None:
         need(dc.image_size > 0, "augment.crop", aug.crop, "needs data.image_size > 0")
     need(len(dc.mean) == len(dc.std) or not dc.mean or not dc.std, "data.std", tuple(dc.std),
          f"must have as many values as data.mean={tuple(dc.mean)!r}")
+    replicas.check_sweep(config)
 
 
 # Keys whose change leaves the training trajectory as it was (reporting, evaluation,

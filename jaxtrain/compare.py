@@ -447,6 +447,9 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
                                + ": run --frameworks=jax, or compare a recipe without them")
         import_torch()  # fail before any training when torch is missing
     setup = prepare.setup(config)  # checks the config, loads the data, builds the Flax model
+    if setup.runs:
+        raise CompareError("compare trains one run per framework: drop train.replicas and "
+                           "sweep (main.py trains replicas)")
     if setup.placement == "stream" and any(f != "jax" for f in frameworks):
         raise CompareError(f"this run streams its data ({setup.placement_reason}); the PyTorch "
                            "twins train from arrays in memory: run --frameworks=jax")

@@ -89,6 +89,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.chunk_steps = 0     # > 0: a chunk (one program call) ends at every multiple of this many steps, where a multi-process run can stop for a signal; 0 = epochs
     config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the CPU
 
+    config.train.replicas = 1        # > 1: this many runs trained together in one program (jax.vmap),
+                                     # seeds seed, seed+1, ...; crossed with `sweep` below
     config.train.nonfinite = "stop"  # a non-finite loss: 'stop' (keep the last checkpoint) | 'skip' the step
     config.train.compilation_cache = "~/.cache/jaxtrain/xla"  # JAX's persistent compilation cache; '' = off
 
@@ -105,6 +107,17 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.tta_fraction = 1.0   # TTA only on this fraction of test images, the least confident
     config.eval.every_epochs = 1     # 0 = only at the end
     config.eval.every_steps = 0      # > 0: also evaluate every this many steps (test points on the curves)
+
+    # Sweep: a tuple of values for any of these keys trains one replica per value (per
+    # seed of train.replicas, per combination of swept keys) in the same program, e.g.
+    # --config.sweep.optimizer.learning_rate="(0.05, 0.1, 0.2)". () = not swept. Keys that
+    # change shapes or the program (widths, batch size, model) cannot be swept.
+    config.sweep = ml_collections.ConfigDict()
+    config.sweep.optimizer = ml_collections.ConfigDict()
+    for name in ("learning_rate", "weight_decay", "momentum", "b1", "b2"):
+        config.sweep.optimizer[name] = ()
+    config.sweep.train = ml_collections.ConfigDict()
+    config.sweep.train.label_smoothing = ()
     return config
 
 

@@ -5,8 +5,9 @@ import os
 
 import jax
 import ml_collections
+import numpy as np
 
-from jaxtrain import checkpoint, defaults, parallel, prepare, xla_cache
+from jaxtrain import checkpoint, defaults, parallel, prepare, replicas, train, xla_cache
 
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
@@ -35,7 +36,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     manager = checkpoint.create_manager(directory, create=False)
     try:
         restored = checkpoint.restore(
-            manager, checkpoint.restore_target(run.state, parallel.replicated(run.mesh)),
+            manager, checkpoint.restore_target(run.state, prepare.state_sharding(run)),
             run.data_key, step)
     finally:
         manager.close()
@@ -48,13 +49,22 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     tta = config.eval.tta
     if tta != "none" and config.eval.tta_fraction < 1:
         tta += f" on the least confident {config.eval.tta_fraction:.0%} of images"
-    result = {"step": int(state.step), "test_accuracy": float(metrics["accuracy"]),
-              "test_loss": float(metrics["loss"]), "device_count": jax.device_count(),
-              "tta": tta}
+    step = train.current_step(state)
+    result = {"step": step, "device_count": jax.device_count(), "tta": tta}
+    if run.runs:  # every replica's figures; the top-level ones are their means
+        result["replicas"] = [{"replica": r, "test_accuracy": float(metrics["accuracy"][r]),
+                               "test_loss": float(metrics["loss"][r])}
+                              for r in range(len(run.runs))]
+    result.update(test_accuracy=float(np.mean(metrics["accuracy"])),
+                  test_loss=float(np.mean(metrics["loss"])))
     if parallel.is_main_process():
-        print(f"checkpoint step {result['step']}: test_accuracy={result['test_accuracy']:.2%}  "
-              f"test_loss={result['test_loss']:.4f}  (TTA: {tta}; on {jax.device_count()} "
-              f"device{'s' if jax.device_count() > 1 else ''})")
+        for line in result.get("replicas", []):
+            print(f"{replicas.describe(run.runs[line['replica']])}: test_accuracy="
+                  f"{line['test_accuracy']:.2%}  test_loss={line['test_loss']:.4f}")
+        mean = f" (mean of {len(run.runs)} replicas)" if run.runs else ""
+        print(f"checkpoint step {step}: test_accuracy={result['test_accuracy']:.2%}  "
+              f"test_loss={result['test_loss']:.4f}{mean}  (TTA: {tta}; on "
+              f"{jax.device_count()} device{'s' if jax.device_count() > 1 else ''})")
     return result
 
 

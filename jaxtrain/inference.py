@@ -7,14 +7,16 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxtrain import checkpoint, checks, models, optim, train, user_model, xla_cache
+from jaxtrain import checkpoint, checks, models, replicas, train, user_model, xla_cache
 
 
 class Classifier:
     """Classifies uint8 images (N, H, W, C) with a restored model, BatchNorm in inference mode."""
 
-    def __init__(self, state, meta: dict, tta: str, pad_mode: str, batch_size: int):
+    def __init__(self, state, meta: dict, tta: str, pad_mode: str, batch_size: int,
+                 replica: int | None = None):
         self.state = state
+        self.replica = replica  # which replica of a replicated run (None: a single run)
         self.step = int(state.step)
         self.class_names = tuple(meta["class_names"])
         self.image_shape = tuple(meta["image_shape"])
@@ -37,12 +39,14 @@ class Classifier:
 
 
 def restore(workdir: str, step: int | None = None, tta: str | None = None,
-            model=None) -> Classifier:
+            model=None, replica: int | None = None) -> Classifier:
     """The newest (or the given) checkpoint of the run in `workdir`, ready to classify.
 
     Needs no data: the normalisation and class names are stored in the checkpoint.
     `model`: the Flax module instance a run was trained on through
     train_and_evaluate(model=...) (a model.name is rebuilt, or imported, by itself).
+    `replica`: which replica of a train.replicas or sweep run (default: the one with
+    the best test accuracy at that checkpoint's last evaluation).
     """
     with open(os.path.join(workdir, checkpoint.CONFIG_FILE)) as f:
         config = ml_collections.ConfigDict(json.load(f))
@@ -55,16 +59,24 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         else:
             model = models.create_model(config.model, len(meta["class_names"]),
                                         checks.PRECISIONS[config.train.precision])
-        tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 1),
-                                    models.frozen_params(config.model))
+        runs = replicas.runs(config)
+        if runs is None and replica is not None:
+            raise ValueError(f"replica={replica}: {workdir} holds a single run, not replicas")
+        if runs is not None and replica is not None and not 0 <= replica < len(runs):
+            raise ValueError(f"replica={replica}: {workdir} holds replicas 0 .. {len(runs) - 1}")
+        tx = replicas.create_optimizer(config, 1, models.frozen_params(config.model))
         # The state's shapes only (no init compiled): Orbax fills them from the checkpoint.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        key = jax.random.split(jax.random.key(0), len(runs)) if runs else jax.random.key(0)
         abstract = jax.eval_shape(functools.partial(
-            train.create_train_state, model=model, tx=tx, image_shape=tuple(meta["image_shape"])),
-            jax.random.key(0))
+            train.create_train_state, model=model, tx=tx, image_shape=tuple(meta["image_shape"]),
+            hyperparams=replicas.hyperparams(runs), replicas=runs is not None), key)
         state, _, meta = checkpoint.restore(manager, checkpoint.restore_target(abstract, device),
-                                            jax.random.key(0), meta["step"])
+                                            key, meta["step"])
     finally:
         manager.close()
+    if runs is not None:
+        replica = replicas.best_replica(meta) if replica is None else replica
+        state = replicas.take(state, replica)
     return Classifier(state, meta, tta or config.eval.tta, config.augment.pad_mode,
-                      config.eval.batch_size)
+                      config.eval.batch_size, replica)

@@ -11,8 +11,8 @@ import flax
 import jax
 import numpy as np
 
-from jaxtrain import (checkpoint, checks, models, parallel, phases, prepare, profile, report,
-                      signals, train, user_model, xla_cache)
+from jaxtrain import (checkpoint, checks, models, optim, parallel, phases, prepare, profile,
+                      replicas, report, signals, train, user_model, xla_cache)
 from jaxtrain.errors import ConfigError, TrainingError
 
 PROFILE_DIR = "profile"
@@ -52,14 +52,14 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming)
     parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
-    target = (checkpoint.restore_target(run.state, parallel.replicated(run.mesh)) if resuming
+    target = (checkpoint.restore_target(run.state, prepare.state_sharding(run)) if resuming
               else run.state)
     restored = checkpoint.restore(manager, target, run.data_key)
     if restored is None and resuming:  # no step Orbax recognises: start afresh after all
         run = prepare.setup(config, mesh, model=model)
     state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
     train_seconds, eval_seconds = meta.get("train_seconds", 0.0), meta.get("eval_seconds", 0.0)
-    start_step = int(state.step)
+    start_step = train.current_step(state)
     clock.lap("restore", None if restored is None else (
         f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
         "in {seconds:.1f} s"))
@@ -94,12 +94,15 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     signals.enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
 
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
-                               write=main_process)
+                               write=main_process, spread=bool(run.runs))
+    schedules = run_schedules(config, run)
     where = "host, streamed" if streaming else "devices"
     reporter.print_line(f"data on the {where}: {run.placement_reason}"
                         + (f"; {stream.workers} Grain workers" if streaming and stream.workers
                            else ""))
-    reporter.print_header(model=config.model.name, params=models.count_params(state.params),
+    replica_info = {"replicas": len(run.runs)} if run.runs else {}
+    reporter.print_header(model=config.model.name, **replica_info,
+                          params=prepare.param_count(state.params, run.runs),
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
@@ -108,7 +111,7 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     test_metrics = profile_table = None
     tracing = False
     wait_seconds = chunk_seconds = traced_seconds = 0.0
-    record = reporter.records[-1] if reporter.records else {}
+    latest = {row.get("replica"): row for row in reporter.records}  # each run's last row
     # One process alone may not stop mid-chunk: the others would wait for it forever.
     single_process = jax.process_count() == 1
     try:
@@ -127,20 +130,15 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                 wait_seconds += chunk_wait
                 chunk_seconds += seconds
                 metrics = jax.device_get(metrics)
-                if metrics["nonfinite_step"] >= 0 and config.train.nonfinite == "stop":
-                    bad = epoch * run.steps_per_epoch + int(metrics["nonfinite_step"])
-                    raise TrainingError(
-                        f"non-finite training loss at step {bad} (epoch {epoch}); the last "
-                        f"good checkpoint is kept in {manager.directory}. Lower "
-                        "optimizer.learning_rate, check the data, or set "
-                        "train.nonfinite='skip' to skip such steps")
+                if config.train.nonfinite == "stop":
+                    check_finite(metrics, run, epoch, manager.directory)
                 if tracing:
                     traced_seconds += seconds
                     if step + length == traced[1]:
                         tracing = False
                         profile_table = finish_profile(workdir, traced, traced_seconds,
                                                        reporter)
-                previous, step = step, int(state.step)
+                previous, step = step, train.current_step(state)
                 epoch_done = step % run.steps_per_epoch == 0
                 last = step == run.total_steps
                 stopping = parallel.any_process(stop())
@@ -150,27 +148,28 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                 if (epoch_done or last or stopping or evaluating) and step not in ends[-1:]:
                     ends.append(step)
                 rows = chunk_rows(metrics["per_step"], previous, ends, run, train_seconds,
-                                  seconds, chunk_wait)
-                record = rows[-1] if rows else record
+                                  seconds, chunk_wait, schedules)
+                latest.update({row.get("replica"): row for row in rows})
                 clock.lap("train")
                 if evaluating:
                     test_metrics, seconds = train.timed(eval_fn, state, *eval_arrays)
-                    test_metrics = {k: float(v) for k, v in jax.device_get(test_metrics).items()}
+                    test_metrics = host_metrics(test_metrics)
                     eval_seconds += seconds
                     train_seconds += seconds
-                    record.update(test_loss=test_metrics["loss"],
-                                  test_accuracy=test_metrics["accuracy"],
-                                  seconds=round(train_seconds, 4))
+                    for replica, row in latest.items():
+                        row.update(seconds=round(train_seconds, 4),
+                                   **{f"test_{name}": value if replica is None else value[replica]
+                                      for name, value in test_metrics.items()})
                     clock.lap("eval")
                 for row in rows:
                     reporter.log(row)
                 if epoch_done or last:
-                    reporter.print_row(dict(record, **epoch_means(reporter.records,
-                                                                  run.steps_per_epoch)))
+                    reporter.print_row(console_row(latest, reporter.records,
+                                                   run.steps_per_epoch))
                 clock.lap("train")
                 if last or stopping or (every_save > 0 and step % every_save == 0):
                     save(manager, run, config, state, data_key, stream, train_seconds,
-                         eval_seconds)
+                         eval_seconds, test_metrics)
                     clock.lap("checkpoint")
                 if stopping:
                     checkpoint.wait(manager)
@@ -193,15 +192,27 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     clock.lap("checkpoint")
 
     if test_metrics is None:  # resumed from a checkpoint of the finished run
-        test_metrics = {k: float(v)
-                        for k, v in jax.device_get(eval_fn(state, *eval_arrays)).items()}
+        test_metrics = host_metrics(eval_fn(state, *eval_arrays))
         clock.lap("eval")
     if main_process:
         reporter.plot()
+    replica_results = None
+    if run.runs:  # every replica's results; the top-level figures are their means
+        replica_results = replicas.summarize(run.runs, [
+            {"test_accuracy": test_metrics["accuracy"][r], "test_loss": test_metrics["loss"][r],
+             "train_loss": epoch_means(reporter.records, run.steps_per_epoch, r)["train_loss"],
+             "params_sha256": checkpoint.params_sha256(replicas.take(state, r))}
+            for r in range(len(run.runs))])
+        test_metrics = {name: replicas.mean_std(values)[0]
+                        for name, values in test_metrics.items()}
+    train_loss = (replicas.mean_std(r["train_loss"] for r in replica_results["replicas"])[0]
+                  if run.runs else
+                  epoch_means(reporter.records, run.steps_per_epoch).get("train_loss"))
+    copies = len(run.runs) if run.runs else 1
     summary = {
         "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"],
-        "train_loss": epoch_means(reporter.records, run.steps_per_epoch).get("train_loss"),
+        "train_loss": train_loss,
         "params_sha256": checkpoint.params_sha256(state),
         "train_seconds": train_seconds,  # training and evaluation, over every resume
         "train_only_seconds": train_seconds - eval_seconds,
@@ -210,13 +221,13 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
         "compilation_cache": cache_dir,
         "data_placement": run.placement,
         "input_wait_fraction": wait_seconds / chunk_seconds if chunk_seconds else 0.0,
-        "images_per_second": (run.total_steps * config.train.batch_size
-                              / max(train_seconds - eval_seconds, 1e-9)),
+        "images_per_second": (copies * run.total_steps * config.train.batch_size
+                              / max(train_seconds - eval_seconds, 1e-9)),  # all replicas'
         "epochs": run.total_steps / run.steps_per_epoch,
         "steps": run.total_steps,
         "resumed_from_step": start_step if restored is not None else None,
         "batch_size": config.train.batch_size,
-        "param_count": models.count_params(state.params),
+        "param_count": prepare.param_count(state.params, run.runs),
         "device_kind": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
@@ -225,6 +236,12 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
         "dataset": run.dataset.origin,
         "config": config.to_dict(),
     }
+    if replica_results is not None:
+        summary.update(replica_results)
+        summary["images_per_second_per_replica"] = summary["images_per_second"] / copies
+        summary["replica_layout"] = ("split: each device trains whole replicas"
+                                     if prepare.splits_replicas(run) else
+                                     "replicated: every replica's batch split over the devices")
     if profile_table is not None:
         summary["profile"] = profile_table
     clock.lap("write")
@@ -255,24 +272,35 @@ def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, 
     if not plan:
         return None
     step_kwargs, replicated = prepare.step_arguments(config, run), parallel.replicated(run.mesh)
+    out_sharding = (prepare.state_sharding(run), replicated) if run.runs else replicated
     if stream is not None:
         return train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
                                            step_kwargs, replicated)
     kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
     return train.compile_chunks(kind, state, *train_arrays, data_key,
-                                {length for _, _, length in plan}, step_kwargs, replicated)
+                                {length for _, _, length in plan}, step_kwargs, out_sharding,
+                                replicas=bool(run.runs))
 
 
 def chunk_rows(per_step: dict, previous: int, ends: list, run: prepare.Setup,
-               train_seconds: float, seconds: float, wait: float) -> list[dict]:
+               train_seconds: float, seconds: float, wait: float, schedules) -> list[dict]:
     """The metrics rows of a chunk that ran steps previous+1 .. in `seconds` (`wait` of
     them waiting for input), train_seconds in all: metrics_rows with the epoch, the
-    learning rate and the time, within the chunk in proportion to its steps."""
+    learning rate and the time, within the chunk in proportion to its steps. A replicated
+    run (per_step with a leading replica axis) has a row per replica and end, which
+    names the replica, its seed and its swept settings; `schedules`: run_schedules."""
+    if run.runs:
+        rows = [dict(row, replica=one.replica, seed=one.seed, **one.settings)
+                for one in run.runs for row in chunk_rows(
+                    {name: values[one.replica] for name, values in per_step.items()},
+                    previous, ends, run._replace(runs=None), train_seconds, seconds, wait,
+                    schedules[one.replica:one.replica + 1])]
+        return sorted(rows, key=lambda row: (row["step"], row["replica"]))
     rows = metrics_rows(per_step, previous, ends)
     step = previous + len(per_step["loss"])
     for row in rows:
         row.update(epoch=round(row["step"] / run.steps_per_epoch, 4),
-                   learning_rate=float(run.schedule(row["step"] - 1)),
+                   learning_rate=float(schedules[0](row["step"] - 1)),
                    input_wait_fraction=round(wait / max(seconds, 1e-9), 4),
                    seconds=round(train_seconds - seconds * (step - row["step"])
                                  / max(step - previous, 1), 4))
@@ -280,9 +308,15 @@ def chunk_rows(per_step: dict, previous: int, ends: list, run: prepare.Setup,
 
 
 def save(manager, run: prepare.Setup, config, state, data_key, stream, train_seconds: float,
-         eval_seconds: float) -> None:
-    """Starts saving a checkpoint of `state`, with the stream's position when streaming."""
+         eval_seconds: float, test_metrics=None) -> None:
+    """Starts saving a checkpoint of `state`, with the stream's position when streaming.
+    A replicated run's records its replicas and their last test accuracies (what
+    jaxtrain.restore picks the best replica by)."""
     meta, input_state = checkpoint_meta(run, config, state, train_seconds, eval_seconds), None
+    if run.runs:
+        meta["replicas"] = [one._asdict() for one in run.runs]
+        if test_metrics is not None:
+            meta["replica_test_accuracy"] = test_metrics["accuracy"]
     if stream is not None:
         meta["input"], input_state = stream.checkpoint()
     checkpoint.save(manager, state, data_key, meta, input_state)
@@ -337,17 +371,18 @@ def metrics_rows(per_step: dict, first: int, ends: list) -> list[dict]:
     return rows
 
 
-def epoch_means(records: list, steps_per_epoch: int) -> dict:
+def epoch_means(records: list, steps_per_epoch: int, replica: int | None = None) -> dict:
     """Training loss and accuracy over the last epoch the rows reach (or its steps so far):
-    the rows' means weighted by their steps. The console's epoch rows and summary.json's
-    train_loss; from the rows, so a resumed run gets the uninterrupted run's figures."""
+    the rows' means weighted by their steps (of one replica's rows, for a replicated
+    run). The console's epoch rows and summary.json's train_loss; from the rows, so a
+    resumed run gets the uninterrupted run's figures."""
     if not records:
         return {}
     last = records[-1]["step"]
     epoch_start = (last - 1) // steps_per_epoch * steps_per_epoch
     sums, previous = {"train_loss": 0.0, "train_accuracy": 0.0, "steps": 0}, epoch_start
     epoch_rows = itertools.takewhile(lambda row: row["step"] > epoch_start, reversed(records))
-    for row in reversed(list(epoch_rows)):
+    for row in reversed([row for row in epoch_rows if row.get("replica") == replica]):
         steps = row["step"] - previous - row.get("skipped_steps", 0)
         previous = row["step"]
         if row.get("train_loss") is None or steps <= 0:
@@ -358,6 +393,49 @@ def epoch_means(records: list, steps_per_epoch: int) -> dict:
     if not sums["steps"]:
         return {"train_loss": None, "train_accuracy": None}
     return {key: sums[key] / sums["steps"] for key in ("train_loss", "train_accuracy")}
+
+
+def console_row(latest: dict, records: list, steps_per_epoch: int) -> dict:
+    """The console's row at an epoch's end: the last row with the epoch's mean training
+    figures; for a replicated run, (mean, std) over the replicas of each figure."""
+    rows = {replica: dict(row, **epoch_means(records, steps_per_epoch, replica))
+            for replica, row in latest.items()}
+    if list(rows) == [None]:
+        return rows[None]
+    row = dict(rows[max(rows)])
+    for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+        if all(one.get(key) is not None for one in rows.values()):
+            row[key] = replicas.mean_std(one[key] for one in rows.values())
+    return row
+
+
+def check_finite(metrics: dict, run: prepare.Setup, epoch: int, directory: str) -> None:
+    """train.nonfinite='stop': a TrainingError at a chunk's first non-finite loss, naming
+    the step (and the replica, for a replicated run)."""
+    bad_steps = np.atleast_1d(metrics["nonfinite_step"])
+    if not (bad_steps >= 0).any():
+        return
+    replica = int(np.argmax(bad_steps >= 0))
+    bad = epoch * run.steps_per_epoch + int(bad_steps[replica])
+    which = f" of {replicas.describe(run.runs[replica])}" if run.runs else ""
+    raise TrainingError(
+        f"non-finite training loss at step {bad} (epoch {epoch}){which}; the last good "
+        f"checkpoint is kept in {directory}. Lower optimizer.learning_rate, check the data, "
+        "or set train.nonfinite='skip' to skip such steps")
+
+
+def host_metrics(metrics) -> dict:
+    """Evaluation results as Python floats (a list per metric for a replicated run)."""
+    return {name: float(value) if np.ndim(value) == 0 else [float(v) for v in value]
+            for name, value in jax.device_get(metrics).items()}
+
+
+def run_schedules(config, run: prepare.Setup) -> list:
+    """The learning-rate schedule of each replica (one for a single run), for the rows."""
+    if not run.runs:
+        return [run.schedule]
+    return [optim.create_schedule(replicas.run_config(config, one).optimizer, run.total_steps)
+            for one in run.runs]
 
 
 def profile_window(start_step: int, total_steps: int, steps: int):
@@ -428,7 +506,7 @@ def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epo
 
 def checkpoint_meta(run: prepare.Setup, config, state, train_seconds: float, eval_seconds: float):
     """The JSON half of a checkpoint: the data-order position and what inference needs."""
-    step = int(state.step)
+    step = train.current_step(state)
     return {"step": step, "epoch": step // run.steps_per_epoch,
             "step_in_epoch": step % run.steps_per_epoch, "seed": config.seed,
             "train_seconds": train_seconds, "eval_seconds": eval_seconds,

@@ -216,7 +216,10 @@ def group_schedule(settings, schedule: optax.Schedule) -> optax.Schedule:
 
 def _optimizer(opt, schedule):
     if opt.name == "sgd":
-        momentum = opt.momentum or None
+        # 0 means plain SGD; a swept (traced, replicas.py) momentum always keeps a trace
+        momentum = opt.momentum
+        if isinstance(momentum, (int, float)) and not momentum:
+            momentum = None
         return optax.chain(optax.add_decayed_weights(opt.weight_decay),
                            optax.sgd(schedule, momentum=momentum, nesterov=opt.nesterov))
     if opt.name == "adam":

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import augment, checks, data, input, models, optim, parallel, train, user_model
+from jaxtrain import (augment, checks, data, input, models, optim, parallel, replicas, train,
+                      user_model)
 from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError
 
@@ -29,14 +30,17 @@ class Setup(NamedTuple):
     data_key: Any
     steps_per_epoch: int
     total_steps: int
+    runs: Any  # None, or the replicas (replicas.Run) trained together, on a leading axis
 
 
 def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation).
 
     The state is replicated over `mesh` (default: all devices), the data-parallel layout.
-    With abstract_state, the state holds only shapes and dtypes (jax.eval_shape): for
-    callers that build the state inside their own program, it saves compiling the init.
+    With train.replicas or a sweep, the state and data_key have a leading replica axis
+    (replicas.py: how it is laid out). With abstract_state, the state holds only shapes
+    and dtypes (jax.eval_shape): for callers that build the state inside their own
+    program, it saves compiling the init.
     `model`: a Flax Linen or NNX module instance to train instead of model.name's.
     `clock` (phases.Clock): times loading, statistics and building, a line each.
     """
@@ -44,6 +48,11 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     checks.check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
     dataset, placement, placement_reason = input.load(config.data)
+    runs = replicas.runs(config)
+    if runs and placement == "stream":
+        raise ConfigError(f"config.train.replicas={config.train.replicas} (or a sweep) needs "
+                          f"the training data on the devices, but it is streamed "
+                          f"({placement_reason}); train the runs one at a time")
     lap("load", f"loaded {config.data.name} from {dataset.origin} ({len(dataset.x_train):,} "
                 f"training and {len(dataset.x_test):,} test images)")
     computed = not (tuple(config.data.mean) and tuple(config.data.std))
@@ -77,18 +86,32 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     schedule = optim.create_schedule(config.optimizer, total_steps)
     frozen = models.frozen_params(config.model)
     optim.check_groups(config.optimizer, abstract_params["params"], frozen)
-    tx = optim.create_optimizer(config.optimizer, schedule, frozen)
-    replicated = parallel.replicated(mesh)
-    init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
-                                 out_shardings=replicated)()
+    tx = replicas.create_optimizer(config, total_steps, frozen)
+    if runs:  # seeds seed, seed + 1, ...: each replica's keys are its single run's
+        sharding = replicas.state_sharding(mesh, len(runs))
+        seeds = np.asarray([run.seed for run in runs], np.int32)
+        init_key, data_key = jax.jit(lambda seeds: tuple(jax.vmap(
+            lambda seed: jax.random.split(jax.random.key(seed)))(seeds).T),
+            out_shardings=sharding)(seeds)
+    else:
+        sharding = parallel.replicated(mesh)
+        init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
+                                     out_shardings=sharding)()
     init = functools.partial(train.create_train_state, model=model, tx=tx,
-                             image_shape=dataset.image_shape, sharding=replicated,
-                             stem_kernel=stem_kernel)
+                             image_shape=dataset.image_shape, sharding=sharding,
+                             stem_kernel=stem_kernel, hyperparams=replicas.hyperparams(runs),
+                             replicas=runs is not None)
     state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
-    lap("build", f"built {config.model.name} ({models.count_params(state.params):,} parameters)"
-                 " and its optimiser state")
+    copies = f"{len(runs)} replicas of " if runs else ""
+    lap("build", f"built {copies}{config.model.name} ({param_count(state.params, runs):,} "
+                 "parameters) and its optimiser state")
     return Setup(mesh, dataset, placement, placement_reason, model, stem_kernel, mean, std,
-                 schedule, state, data_key, steps_per_epoch, total_steps)
+                 schedule, state, data_key, steps_per_epoch, total_steps, runs)
+
+
+def param_count(params, runs=None) -> int:
+    """The model's parameter count (one replica's, for a replicated state)."""
+    return models.count_params(params) // (len(runs) if runs else 1)
 
 
 def check_batch_split(batch_size: int, mesh) -> None:
@@ -178,10 +201,24 @@ def batch_for_eval(images: np.ndarray, labels: np.ndarray, batch_size: int, mult
 
 
 def put_eval_data(config, run: Setup):
-    """The test split as padded batches on the devices, each batch split over them."""
+    """The test split as padded batches on the devices, each batch split over them (whole
+    on every device when each device evaluates replicas of its own)."""
     arrays = batch_for_eval(run.dataset.x_test, run.dataset.y_test, config.eval.batch_size,
                             run.mesh.size)
-    return tuple(parallel.put(a, parallel.batch_sharded(run.mesh, batch_axis=1)) for a in arrays)
+    sharding = (parallel.replicated(run.mesh) if splits_replicas(run)
+                else parallel.batch_sharded(run.mesh, batch_axis=1))
+    return tuple(parallel.put(a, sharding) for a in arrays)
+
+
+def splits_replicas(run: Setup) -> bool:
+    return bool(run.runs) and replicas.splits_replicas(run.mesh, len(run.runs))
+
+
+def state_sharding(run: Setup):
+    """Where the training state lives: replicated, or split over its replica axis."""
+    if run.runs:
+        return replicas.state_sharding(run.mesh, len(run.runs))
+    return parallel.replicated(run.mesh)
 
 
 def put_train_data(run: Setup):
@@ -194,8 +231,9 @@ def put_train_data(run: Setup):
 def step_arguments(config, run: Setup) -> dict:
     """The static keyword arguments of train.train_step_at (and train.train_epoch_chunk)
     for this run."""
+    batch_sharding = None if splits_replicas(run) else parallel.batch_sharded(run.mesh)
     return dict(batch_size=config.train.batch_size,
-                batch_sharding=parallel.batch_sharded(run.mesh), mean=run.mean, std=run.std,
+                batch_sharding=batch_sharding, mean=run.mean, std=run.std,
                 augment_kwargs=augment.device_kwargs(config.augment),
                 num_classes=run.dataset.num_classes,
                 label_smoothing=config.train.label_smoothing,
@@ -217,8 +255,15 @@ def eval_arguments(config, run: Setup) -> dict:
 
 
 def compile_eval(config, run: Setup, state, eval_arrays):
-    fn = jax.jit(functools.partial(train.evaluate, **eval_arguments(config, run)),
-                 out_shardings=parallel.replicated(run.mesh))
+    """train.evaluate compiled for this run's state: every replica's metrics (R,) for a
+    replicated run, the replicas evaluated one after another inside the program
+    (lax.map: vmapped convolutions become grouped ones, which XLA:CPU runs far slower,
+    and one replica's activations at a time keep memory as a single run's)."""
+    evaluate = functools.partial(train.evaluate, **eval_arguments(config, run))
+    if run.runs:
+        one_run = evaluate
+        evaluate = lambda state, *arrays: jax.lax.map(lambda s: one_run(s, *arrays), state)
+    fn = jax.jit(evaluate, out_shardings=parallel.replicated(run.mesh))
     return fn.lower(state, *eval_arrays).compile()
 
 

@@ -17,6 +17,14 @@ COLUMNS = (("epoch", "epoch", 7, ".2f"), ("step", "step", 8, "d"),
            ("train_loss", "train_loss", 10, ".4f"), ("train_accuracy", "train_acc", 9, ".2%"),
            ("test_loss", "test_loss", 9, ".4f"), ("test_accuracy", "test_acc", 8, ".2%"),
            ("learning_rate", "lr", 9, ".3g"), ("seconds", "seconds", 8, ".2f"))
+# A replicated run's table: each figure as mean+-std over the replicas.
+SPREAD_COLUMNS = (("epoch", "epoch", 7, ".2f"), ("step", "step", 8, "d"),
+                  ("train_loss", "train_loss", 15, ".4f"),
+                  ("train_accuracy", "train_acc", 15, ".2%"),
+                  ("test_loss", "test_loss", 15, ".4f"), ("test_accuracy", "test_acc", 15, ".2%"),
+                  ("seconds", "seconds", 8, ".2f"))
+# Row keys that say which run a row is of (replicas.py), not what it measured.
+RUN_KEYS = ("step", "replica", "seed")
 
 
 def write_json_atomically(path: str, obj) -> None:
@@ -62,9 +70,11 @@ class Reporter:
     """
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, stream=None,
-                 write: bool = True):
+                 write: bool = True, spread: bool = False):
         """start_step > 0 continues a resumed run: records up to it are kept, later ones
-        (written after the checkpoint the run resumed from) are dropped."""
+        (written after the checkpoint the run resumed from) are dropped. spread: the
+        console rows are (mean, std) over replicas."""
+        self.columns = SPREAD_COLUMNS if spread else COLUMNS
         tensorboardX = import_tensorboardx()
         self.workdir = workdir
         self.write = write
@@ -91,11 +101,18 @@ class Reporter:
     def print_header(self, **info) -> None:
         self.print_line("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in info.items()))
-        self.print_line(" ".join(f"{header:>{width}}" for _, header, width, _ in COLUMNS))
+        self.print_line(" ".join(f"{header:>{width}}" for _, header, width, _ in self.columns))
 
     def print_row(self, row: dict) -> None:
-        self.print_line(" ".join(f"{row[key]:>{width}{spec}}" if row.get(key) is not None
-                             else f"{'-':>{width}}" for key, _, width, spec in COLUMNS))
+        """One table row; a (mean, std) value prints as mean+-std."""
+        def cell(value, width, spec):
+            if value is None:
+                return f"{'-':>{width}}"
+            if isinstance(value, tuple):
+                return f"{f'{value[0]:{spec}}±{value[1]:{spec}}':>{width}}"
+            return f"{value:>{width}{spec}}"
+        self.print_line(" ".join(cell(row.get(key), width, spec)
+                                 for key, _, width, spec in self.columns))
 
     def log(self, record: dict) -> None:
         self.records.append(record)
@@ -103,9 +120,13 @@ class Reporter:
             return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
+        # A replica's curves are tagged NAME/replica_K; swept settings ('optimizer.x')
+        # are labels of the row, not curves.
+        suffix = f"/replica_{record['replica']}" if "replica" in record else ""
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self._tensorboard.add_scalar(key, value, record["step"])
+            if (key not in RUN_KEYS and "." not in key and isinstance(value, (int, float))
+                    and math.isfinite(value)):
+                self._tensorboard.add_scalar(key + suffix, value, record["step"])
         self._tensorboard.flush()
         self._progress.update(record["step"] - self._progress.n)
 
@@ -125,18 +146,26 @@ class Reporter:
         import matplotlib.pyplot as plt
 
         fig, (loss_ax, acc_ax, lr_ax) = plt.subplots(1, 3, figsize=(15, 4))
+        runs = sorted({r.get("replica", -1) for r in self.records})
+        alpha = 1.0 if len(runs) == 1 else max(0.25, 1.0 / len(runs) ** 0.5)
         for split, color in (("train", "tab:blue"), ("test", "tab:orange")):
-            points = [r for r in self.records if r.get(f"{split}_loss") is not None]
-            steps = [r["step"] for r in points]
-            style = dict(color=color,
-                         label=f"{split} ({len(points)} point{'s' if len(points) != 1 else ''})",
-                         marker="o" if split == "test" or len(points) <= 60 else None,
-                         markersize=4 if split == "train" else 5)
-            loss_ax.plot(steps, [r[f"{split}_loss"] for r in points], **style)
-            acc_ax.plot(steps, [r[f"{split}_accuracy"] for r in points], **style)
-        rates = [r for r in self.records if "learning_rate" in r]
-        lr_ax.plot([r["step"] for r in rates], [r["learning_rate"] for r in rates],
-                   color="tab:green", marker="o" if len(rates) <= 60 else None, markersize=3)
+            for run in runs:  # every replica a line of its own, one colour per split
+                points = [r for r in self.records if r.get(f"{split}_loss") is not None
+                          and r.get("replica", -1) == run]
+                steps = [r["step"] for r in points]
+                label = (f"{split} ({len(points)} point{'s' if len(points) != 1 else ''}"
+                         + (f" x {len(runs)} replicas)" if len(runs) > 1 else ")"))
+                style = dict(color=color, alpha=alpha, label=label if run == runs[0] else None,
+                             marker="o" if split == "test" or len(points) <= 60 else None,
+                             markersize=4 if split == "train" else 5)
+                loss_ax.plot(steps, [r[f"{split}_loss"] for r in points], **style)
+                acc_ax.plot(steps, [r[f"{split}_accuracy"] for r in points], **style)
+        for run in runs:
+            rates = [r for r in self.records
+                     if "learning_rate" in r and r.get("replica", -1) == run]
+            lr_ax.plot([r["step"] for r in rates], [r["learning_rate"] for r in rates],
+                       color="tab:green", alpha=alpha, marker="o" if len(rates) <= 60 else None,
+                       markersize=3)
         last = self.records[-1] if self.records else {}
         for ax, name in ((loss_ax, "loss"), (acc_ax, "accuracy"), (lr_ax, "learning rate")):
             ax.set_xlabel("step")
@@ -160,6 +189,18 @@ class Reporter:
         if not self.write:
             return
         write_json_atomically(os.path.join(self.workdir, SUMMARY_FILE), summary)
+        if "replicas" in summary:
+            best = summary["best"]
+            settings = "".join(f", {k}={v:g}" for k, v in best["settings"].items())
+            for point in summary.get("sweep_points", []):
+                self.print_line("  ".join(f"{k}={v:g}" for k, v in point["settings"].items())
+                                + f": test_accuracy={point['test_accuracy_mean']:.2%}"
+                                f"±{point['test_accuracy_std']:.2%} over "
+                                f"{len(point['replicas'])} replicas")
+            self.print_line(f"{summary['replica_count']} replicas: test_accuracy="
+                            f"{summary['test_accuracy']:.2%}±{summary['test_accuracy_std']:.2%}"
+                            f" (mean±std); best: replica {best['replica']} (seed {best['seed']}"
+                            f"{settings}) {best['test_accuracy']:.2%}")
         self.print_line(f"test_accuracy={summary['test_accuracy']:.2%}  "
                     f"test_loss={summary['test_loss']:.4f}  "
                     f"train_seconds={summary['train_seconds']:.2f}  "

@@ -31,18 +31,39 @@ def normalize(images, mean, std):
     return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
-def create_train_state(key, model, tx, image_shape, sharding=None,
-                       stem_kernel=None) -> TrainState:
+def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=None,
+                       hyperparams=None, replicas: bool = False) -> TrainState:
     """Initial parameters and optimiser state, placed by `sharding` (e.g. replicated);
-    `stem_kernel` replaces the initial stem weights (a whitened stem)."""
-    def init(key):
+    `stem_kernel` replaces the initial stem weights (a whitened stem). With `replicas`,
+    `key` has a leading axis and one state per key is made (jax.vmap); `hyperparams`
+    ({name: (R,) values}) then set each one's swept optimiser values (replicas.py)."""
+    def init(key, hyperparams):
         variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
         params = variables["params"]
         if stem_kernel is not None:
             params = models.with_stem_kernel(params, jnp.asarray(stem_kernel))
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx,
-                                 batch_stats=variables.get("batch_stats", {}))
-    return jax.jit(init, out_shardings=sharding)(key)
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                  batch_stats=variables.get("batch_stats", {}))
+        if hyperparams:
+            injected = dict(state.opt_state.hyperparams, **hyperparams)
+            state = state.replace(opt_state=state.opt_state._replace(hyperparams=injected))
+        return state
+    return jax.jit(jax.vmap(init) if replicas else init, out_shardings=sharding)(key, hyperparams)
+
+
+def current_step(state) -> int:
+    """The state's step (every replica of a replicated state is at the same one)."""
+    step = state.step
+    if isinstance(step, jax.Array):
+        step = step.addressable_data(0)
+    return int(np.asarray(step).flat[0])
+
+
+def hyperparam(state, name: str, default):
+    """A swept value of this (replica's) state (replicas.py injects them into the
+    optimiser state), else `default`, the config's."""
+    values = getattr(state.opt_state, "hyperparams", None)
+    return values[name] if isinstance(values, dict) and name in values else default
 
 
 def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
@@ -55,7 +76,8 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     augment_key, dropout_key = jax.random.split(key)
     images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
     inputs = normalize(images, mean, std)
-    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes),
+                                  hyperparam(state, "label_smoothing", label_smoothing))
 
     def loss_fn(params):
         logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
@@ -258,8 +280,8 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
     loop computes the epoch's order once per epoch and calls one compiled
     train_step_at per step; it can stop after any step when should_stop() says
     so. `out_sharding` places the new state and the metrics (replicated, for
-    data parallelism). With `replicas`, the state and data_key carry a leading
-    axis of independent runs, trained together by jax.vmap inside each program
+    data parallelism), or is a pair (the state's, the metrics'). With `replicas`,
+    the state and data_key carry a leading axis of independent runs, trained together by jax.vmap inside each program
     (each its own order and augmentation from its key; the data is shared), and
     every summary array gains that axis too.
     """
@@ -278,7 +300,8 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
                                         np.int32(first_step))
         return run_chunk
 
-    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, out_sharding, replicas)
+    state_sharding = out_sharding[0] if isinstance(out_sharding, tuple) else out_sharding
+    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, state_sharding, replicas)
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
     first_order = order_fn(data_key, np.int32(0))
     order_axes = (0, 0, None if first_order[2] is None else 0)  # (order, augment key, flips)

@@ -83,7 +83,7 @@ def bad_values(key: str, default):
         wrong = "(1, 2)" if works is None else "no_such_choice"
     values = [wrong]
     if works is not None:
-        for candidate in (-1, 0, 1.5, 1e9, -0.5, "(0,)", "(2.0, 1.0)", "(1.5, 2)"):
+        for candidate in (-1, 0, 1.5, 1e9, -0.5, "(0,)", "(2.0, 1.0)", "(1.5, 2)", "(-0.5,)"):
             parsed = candidate
             if isinstance(candidate, str):
                 parsed = tuple(float(x) for x in candidate.strip("(),").split(",") if x)

@@ -196,6 +196,36 @@ def test_eight_devices_match_one_device_with_a_scanned_mlp(tmp_path, cifar_batch
     assert_same_training(eight, one)
 
 
+def test_replicas_split_over_devices_or_with_their_batches_split_match_one_device(
+        tmp_path, cifar_batches_dir):
+    """Two seeds x two learning rates of the MLP: on 4 devices each device trains one
+    whole replica; on 8 (4 replicas do not split over 8) every replica's batch is split
+    over the devices. Both are the one-device run, replica by replica."""
+    args = (*MLP, "--config.train.replicas=2", "--config.sweep.optimizer.learning_rate=(0.05,0.1)")
+    runs = {n: train_run(tmp_path / str(n), n, *args, data_dir=cifar_batches_dir)
+            for n in (1, 4, 8)}
+    reference = report.read_metrics(runs[1])
+    assert [(r["step"], r["replica"]) for r in reference] == [
+        (step, k) for step in (5, 10) for k in range(4)]
+    assert len({r["train_loss"] for r in reference if r["step"] == 10}) == 4
+    for devices in (4, 8):
+        records = report.read_metrics(runs[devices])
+        assert [(r["step"], r["replica"]) for r in records] == [
+            (r["step"], r["replica"]) for r in reference]
+        for key in ("train_loss", "test_loss"):
+            np.testing.assert_allclose([r.get(key, 0.0) for r in records],
+                                       [r.get(key, 0.0) for r in reference], rtol=LOSS_RTOL)
+        for replica in (0, 3):
+            got = jaxtrain.restore(str(runs[devices]), replica=replica).state.params
+            want = jaxtrain.restore(str(runs[1]), replica=replica).state.params
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), atol=PARAM_ATOL, rtol=PARAM_RTOL), got, want)
+    summaries = [json.loads((runs[n] / report.SUMMARY_FILE).read_text()) for n in (1, 4, 8)]
+    assert [s["device_count"] for s in summaries] == [1, 4, 8]
+    assert [s["replica_layout"].split(":")[0] for s in summaries] == [
+        "replicated", "split", "replicated"]
+
+
 def test_the_difference_is_not_hidden_by_the_tolerance(one_device, tmp_path, cifar_batches_dir):
     """Another seed on 8 devices is far outside the tolerance: the match above means something."""
     other = train_run(tmp_path, 8, "--config.seed=1", data_dir=cifar_batches_dir)
