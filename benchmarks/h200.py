@@ -111,6 +111,16 @@ def items(data_dir: str, work: str, dry: bool) -> list:
                    f"--workdir={path('compare_seed')}"],
          path("compare_seed/compare.json"),
          "the seed article's recipe in jaxtrain, the article's PyTorch and the fastest PyTorch"),
+        ("seed_single",
+         python + ["main.py", *seed, f"--workdir={path('seed_single')}"],
+         path("seed_single/summary.json"),
+         "the seed recipe trained once: the images/s one run gets from the chip"),
+        ("seed_64_replicas",
+         python + ["main.py", *seed, "--config.train.replicas=" + ("4" if dry else "64"),
+                   f"--workdir={path('seed_64_replicas')}"],
+         path("seed_64_replicas/summary.json"),
+         "64 seeds of the seed recipe in one program (train.replicas): images/s per replica "
+         "against seed_single's, and the spread of test accuracy"),
     ]
     if dry:  # the extras below are the first item with another epoch count: nothing new
         return listed
