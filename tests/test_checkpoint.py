@@ -215,8 +215,9 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
             "--config.eval.every_epochs=0"]
 
 
-def start_main(workdir, data_dir):
-    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
+def start_main(workdir, data_dir, run=LONG_RUN):
+    """main.py with `run`'s flags in a child process (tests/test_replicas.py's too)."""
+    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *run,
                              f"--config.data.dir={data_dir}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

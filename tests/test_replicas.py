@@ -15,6 +15,7 @@ import jaxtrain
 from configs import cifar_seed_cnn
 from jaxtrain import ConfigError, checks, loop, replicas, report
 from jaxtrain.defaults import get_config
+import test_checkpoint
 from overrides import with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,9 +184,7 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
 
 
 def start_main(workdir, data_dir):
-    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
-                             f"--config.data.dir={data_dir}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return test_checkpoint.start_main(workdir, data_dir, LONG_RUN)
 
 
 def test_sigkill_then_rerun_of_a_replicated_run_is_bit_identical(cifar_batches_dir, tmp_path):
