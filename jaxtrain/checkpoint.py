@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxtrain import train
+
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"  # WORKDIR/config.json: the recipe of the checkpoints beside it
 
@@ -77,7 +79,7 @@ def state_tree(state, rng) -> dict:
 def save(manager, state, rng, meta: dict, input_state=None) -> None:
     """Starts an asynchronous save of the state at its step; raises CheckpointError on failure.
     input_state: a Grain iterator (or its frozen state) to save beside it."""
-    step = int(np.asarray(state.step.addressable_data(0)).flat[0])  # replicas: all at one step
+    step = train.current_step(state)
     items = {"state": ocp.args.StandardSave(state_tree(state, rng)),
              "meta": ocp.args.JsonSave(meta)}
     if input_state is not None:

@@ -281,9 +281,9 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
     train_step_at per step; it can stop after any step when should_stop() says
     so. `out_sharding` places the new state and the metrics (replicated, for
     data parallelism), or is a pair (the state's, the metrics'). With `replicas`,
-    the state and data_key carry a leading axis of independent runs, trained together by jax.vmap inside each program
-    (each its own order and augmentation from its key; the data is shared), and
-    every summary array gains that axis too.
+    the state and data_key carry a leading axis of independent runs, trained
+    together by jax.vmap inside each program (each its own order and augmentation
+    from its key; the data is shared), and every summary array gains that axis too.
     """
     batched = (lambda fn, axes: jax.vmap(fn, in_axes=axes)) if replicas else (lambda fn, _: fn)
     if loop == "scan":
