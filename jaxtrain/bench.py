@@ -25,7 +25,11 @@ temporary folder, removed at the end.
 The inspection report compiles one training step of any config and reads what
 XLA made of it: kernels launched (fusions, library calls, copies, collectives),
 FLOPs and bytes from XLA's cost analysis, then times the step to give achieved
-TFLOP/s and the fraction of the device's bfloat16 peak. --profile=DIR adds a
+TFLOP/s and the fraction of the device's bfloat16 peak. FLOPs are counted on the
+lowered program (before XLA's passes): on a GPU the compiled program's convolutions
+and matrix products are cuDNN/cuBLAS custom calls that XLA's cost analysis counts as
+nothing. The step time is the fastest of several timings of a short chunk (first-run
+costs and noise kept out). --profile=DIR adds a
 jax.profiler trace of those steps and the ten XLA ops that took the most time.
 
 --input-only times the streaming input pipeline alone (data.placement='stream',
@@ -75,9 +79,9 @@ def peak_tflops(device_kind: str):
     return next((peak for name, peak in PEAK_BF16_TFLOPS if name in device_kind), None)
 
 
-def cost(compiled) -> dict:
-    """XLA's cost analysis of a compiled program (per device), as a plain dict."""
-    analysis = compiled.cost_analysis()
+def cost(program) -> dict:
+    """XLA's cost analysis of a lowered or compiled program (per device), as a plain dict."""
+    analysis = program.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
         analysis = analysis[0] if analysis else {}
     return dict(analysis or {})
@@ -99,10 +103,10 @@ def device_resident(run, what: str):
     return run
 
 
-def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
+def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: int = 5) -> dict:
     """Compiles one train step of `config`, reports its kernels, FLOPs and speed; with
     `profile_dir`, also traces one more chunk of `steps` steps there and lists the XLA ops
-    that took the most time."""
+    that took the most time. The step time is the fastest of `repeats` timed chunks."""
     run = device_resident(prepare.setup(config), "--inspect")
     prepare.check_batch_split(config.train.batch_size, run.mesh)
     x_train, y_train = prepare.put_train_data(run)
@@ -113,10 +117,11 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
     start = time.perf_counter()
     step_fn = jax.jit(functools.partial(train.train_step_at, **step_kwargs), donate_argnums=0,
                       out_shardings=replicated)
-    compiled = step_fn.lower(run.state, np.int32(0), x_train, y_train, *order).compile()
+    lowered = step_fn.lower(run.state, np.int32(0), x_train, y_train, *order)
+    compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
     text = compiled.as_text()
-    analysis = cost(compiled)
+    analysis, compiled_analysis = cost(lowered), cost(compiled)
 
     # Time the loop training would use: a lax.scan chunk, or one call per step.
     loop = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
@@ -125,9 +130,12 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
                                      {steps}, step_kwargs, replicated)
     state = jax.tree.map(jnp.copy, run.state)  # the step donates its input
     state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))  # warm-up
-    start = time.perf_counter()
-    state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))
-    step_seconds = (time.perf_counter() - start) / steps
+    timings = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))
+        timings.append((time.perf_counter() - start) / steps)
+    step_seconds = min(timings)
     ops = None
     if profile_dir:
         path, _ = profile.trace(
@@ -136,7 +144,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
         ops = profile.op_table(path, steps, step_seconds=step_seconds)
 
     devices = run.mesh.size
-    flops = float(analysis.get("flops", 0.0))  # per device
+    flops = float(analysis.get("flops", 0.0))  # per device, from the lowered program
     device_kind = jax.devices()[0].device_kind
     peak = peak_tflops(device_kind)
     achieved = flops / step_seconds / 1e12
@@ -147,10 +155,14 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None) -> dict:
         "param_count": models.count_params(run.state.params),
         "compile_seconds": compile_seconds,
         "kernels_per_step": sum(kernels.values()), "kernels": dict(kernels.most_common()),
-        "flops_per_step": flops * devices,
+        "flops_per_step": flops * devices, "flops_source": "lowered program",
+        # XLA's count on the compiled program: equal on a CPU, 0 or less on a GPU where
+        # convolutions and matrix products became library calls.
+        "compiled_flops_per_step": float(compiled_analysis.get("flops", 0.0)) * devices,
         "flops_per_image": flops * devices / config.train.batch_size,
         "bytes_accessed_per_step": float(analysis.get("bytes accessed", 0.0)) * devices,
         "loop": loop, "timed_steps": steps, "step_seconds": step_seconds,
+        "step_seconds_timings": timings,
         "images_per_second": config.train.batch_size / step_seconds,
         "achieved_tflops_per_device": achieved,
         "peak_bf16_tflops_per_device": peak,
@@ -177,7 +189,8 @@ def print_inspection(info: dict, config_name: str, stream=sys.stdout) -> None:
             "TFLOP/s bf16 peak" if info["fraction_of_peak"] is not None
             else " (no bf16 peak known for this device)")
     line(f"  step time:                 {info['step_seconds'] * 1e3:.2f} ms "
-         f"({info['timed_steps']} timed, {info['loop']} loop), "
+         f"(fastest of {len(info['step_seconds_timings'])} chunks of {info['timed_steps']}, "
+         f"{info['loop']} loop), "
          f"{info['images_per_second']:,.0f} images/s")
     line(f"  achieved:                  {info['achieved_tflops_per_device']:.3f} TFLOP/s per "
          f"device{peak}")
@@ -240,9 +253,11 @@ def select_devices(count: int) -> list:
 
 
 def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int = 1,
-              stream=sys.stdout) -> dict:
+              stream=sys.stdout, progress=None) -> dict:
     """`runs` timed runs with seeds first_seed, first_seed + 1, ... (default config.seed),
-    on the first `devices` devices."""
+    on the first `devices` devices. progress(summary), if given, is called with the
+    summary so far after compiling and after every run (--json writes it each time, so
+    a benchmark stopped part-way still reports its compile time and finished runs)."""
     mesh = parallel.create_mesh(select_devices(devices))
     prepare.check_batch_split(config.train.batch_size, mesh)  # before loading any data
     run = device_resident(prepare.setup(config, mesh, abstract_state=True), "the benchmark")
@@ -269,11 +284,22 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
           f"tta={config.eval.tta}, {mesh.size} x {device_kind} ({backend} backend); "
           f"compile {compile_seconds:.2f} s", file=stream, flush=True)
 
+    summary = {
+        "config": config.to_dict(), "runs": [], "runs_asked": runs, "warmup_runs": warmup,
+        "compile_seconds": compile_seconds, "lower_seconds": lower_seconds,
+        "process_seconds": time.time() - PROCESS_START,
+        "backend": backend, "device_kind": device_kind, "devices": mesh.size,
+        "compilation_cache": jax.config.jax_compilation_cache_dir,
+        "dataset": run.dataset.origin, "jax_version": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"), "finished": False,
+    }
+    report_progress = progress or (lambda summary: None)
+    report_progress(summary)
     first_seed = config.seed if first_seed is None else first_seed
     for i in range(warmup):  # not counted, as in the PyTorch speedruns
         jax.block_until_ready(program(np.int32(first_seed + runs + i), x_train, y_train,
                                       eval_arrays))
-    results = []
+    results = summary["runs"]
     for i in range(runs):
         seed = first_seed + i
         start = time.perf_counter()
@@ -288,31 +314,28 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
             raise TrainingError(
                 f"seed {seed}: {int(result['nonfinite_steps'])} training steps had a non-finite "
                 "loss; lower optimizer.learning_rate or set train.nonfinite='skip'")
-    process_seconds = time.time() - PROCESS_START
-    summary = {
-        "config": config.to_dict(), "runs": results, "warmup_runs": warmup,
-        "compile_seconds": compile_seconds, "lower_seconds": lower_seconds,
-        "process_seconds": process_seconds,
-        "backend": backend, "device_kind": device_kind, "devices": mesh.size,
-        "compilation_cache": jax.config.jax_compilation_cache_dir,
-        "dataset": run.dataset.origin, "jax_version": jax.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+        summary.update(run_statistics(results), process_seconds=time.time() - PROCESS_START)
+        report_progress(summary)
+    summary.update(process_seconds=time.time() - PROCESS_START, finished=True)
     if not results:  # --runs=0: compile (and warm up) only
-        print(f"compile {compile_seconds:.2f} s  whole process {process_seconds:.1f} s",
+        print(f"compile {compile_seconds:.2f} s  whole process {summary['process_seconds']:.1f} s",
               file=stream, flush=True)
         return summary
-    accuracy = np.array([r["test_accuracy"] for r in results])
-    seconds = np.array([r["seconds"] for r in results])
-    summary.update(accuracy_mean=float(accuracy.mean()), accuracy_std=float(accuracy.std()),
-                   seconds_mean=float(seconds.mean()), seconds_std=float(seconds.std()),
-                   seconds_min=float(seconds.min()), seconds_max=float(seconds.max()))
     print(f"{runs} runs: test_accuracy {summary['accuracy_mean']:.2%} +- "
           f"{summary['accuracy_std']:.2%}  seconds {summary['seconds_mean']:.3f} +- "
           f"{summary['seconds_std']:.3f} (min {summary['seconds_min']:.3f}, max "
           f"{summary['seconds_max']:.3f})  compile {compile_seconds:.2f} s  whole process "
-          f"{process_seconds:.1f} s", file=stream, flush=True)
+          f"{summary['process_seconds']:.1f} s", file=stream, flush=True)
     return summary
+
+
+def run_statistics(results: list) -> dict:
+    """Mean and spread of the finished runs' accuracy and seconds."""
+    accuracy = np.array([r["test_accuracy"] for r in results])
+    seconds = np.array([r["seconds"] for r in results])
+    return dict(accuracy_mean=float(accuracy.mean()), accuracy_std=float(accuracy.std()),
+                seconds_mean=float(seconds.mean()), seconds_std=float(seconds.std()),
+                seconds_min=float(seconds.min()), seconds_max=float(seconds.max()))
 
 
 # ---------------------------------------------------------------- cold and warm
@@ -438,12 +461,15 @@ def main(argv):
             if input_only_flag:
                 result = input_only(FLAGS.config, FLAGS.batches)
             elif FLAGS.inspect:
-                result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile)
+                result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile, FLAGS.repeats)
                 if parallel.is_main_process():
                     print_inspection(result, config_flags.get_config_filename(FLAGS["config"]))
             else:
+                write = FLAGS.json and parallel.is_main_process()
                 result = benchmark(FLAGS.config, FLAGS.runs, FLAGS.warmup, FLAGS.seed,
-                                   FLAGS.devices)
+                                   FLAGS.devices, progress=(
+                                       functools.partial(report.write_json_atomically,
+                                                         FLAGS.json) if write else None))
     except (data.DataError, ConfigError, TrainingError, parallel.DistributedError,
             UsageError, ChildFailed) as error:
         sys.exit(f"error: {error}")
@@ -505,7 +531,9 @@ def define_flags():
                       "report both whole-process times.")
     flags.DEFINE_bool("inspect", False, "Report XLA kernels, FLOPs and speed of one train "
                       "step instead of benchmarking.")
-    flags.DEFINE_integer("steps", 10, "--inspect: steps to time.", lower_bound=1)
+    flags.DEFINE_integer("steps", 10, "--inspect: steps in the timed chunk.", lower_bound=1)
+    flags.DEFINE_integer("repeats", 5, "--inspect: timed chunks; the step time is the "
+                         "fastest.", lower_bound=1)
     flags.DEFINE_bool("input-only", False, "Time the streaming input pipeline alone "
                       "(images/s read, decoded and put on the devices; no training).")
     flags.DEFINE_integer("batches", 50, "--input-only: batches to time.", lower_bound=1)

@@ -7,9 +7,12 @@ every XLA op (a fusion, a library call such as a convolution, a copy, a
 collective) over the traced steps.
 
 On a GPU the times are the device's own: the "XLA Ops" line of the GPU plane
-(each op's kernels, as the GPU ran them). On a CPU they are the host threads'
-thunk times, which may overlap each other. Shares are of the summed op time,
-and of the step's wall time where the caller gives it.
+(each op's kernels, as the GPU ran them), or, in a trace without that line, the
+kernels on the plane's stream lines grouped by the HLO op each names. Only a
+trace with no device plane at all (a CPU run) falls back to the host threads'
+thunk times, which may overlap each other: a GPU run never reports host launch
+times as op times. The table says which source it read. Shares are of the
+summed op time, and of the step's wall time where the caller gives it.
 """
 import collections
 import glob
@@ -20,6 +23,7 @@ import jax
 DEVICE_PLANE_PREFIX = "/device:"
 HOST_PLANE = "/host:CPU"
 OPS_LINE = "XLA Ops"
+STREAM_LINE_PREFIX = "Stream #"
 
 
 def trace(run, logdir: str, steps: int = 1):
@@ -48,16 +52,25 @@ def _stats(event) -> dict:
 def op_events(profile) -> tuple[str, list]:
     """(where the times come from, [(op name, kernel or thunk name, seconds)]).
 
-    The first device plane with an "XLA Ops" line wins (a GPU's); without one,
-    the host's thunk events that name their HLO op (a CPU run)."""
-    for plane in profile.planes:
-        if not plane.name.startswith(DEVICE_PLANE_PREFIX):
-            continue
+    In order: the first device plane's "XLA Ops" line; else that plane's stream lines
+    (each kernel under the HLO op it names); else, with no device plane with events,
+    the host's thunk events that name their HLO op (a CPU run). A device trace that
+    names no op gives no events, never the host's."""
+    devices = [plane for plane in profile.planes if plane.name.startswith(DEVICE_PLANE_PREFIX)]
+    for plane in devices:
         for line in plane.lines:
             if line.name == OPS_LINE:
                 events = [(e.name, e.name, e.duration_ns * 1e-9) for e in line.events]
                 if events:
                     return f"{plane.name} {OPS_LINE}", events
+    for plane in devices:
+        events = [(str(op), event.name, event.duration_ns * 1e-9)
+                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX)
+                  for event, op in ((e, _stats(e).get("hlo_op")) for e in line.events) if op]
+        if events:
+            return f"{plane.name} stream kernels by HLO op", events
+    if devices and any(line.events for plane in devices for line in plane.lines):
+        return f"{devices[0].name}: no XLA op named (no table from host launch times)", []
     events = []
     for plane in profile.planes:
         if plane.name != HOST_PLANE:

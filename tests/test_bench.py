@@ -88,6 +88,12 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
     assert info["kernels_per_step"] == sum(info["kernels"].values()) > 5
     assert info["kernels"].get("dot", 0) + info["kernels"].get("fusion", 0) > 0
     assert info["step_seconds"] > 0 and info["loop"] == "scan"
+    # FLOPs come from the lowered program (a GPU's compiled one hides its convolutions and
+    # matrix products in library calls); on the CPU XLA's compiled count agrees with it.
+    assert info["flops_source"] == "lowered program"
+    assert info["compiled_flops_per_step"] == pytest.approx(info["flops_per_step"], rel=1e-3)
+    assert len(info["step_seconds_timings"]) == 5
+    assert info["step_seconds"] == min(info["step_seconds_timings"])
     assert info["collectives_per_step"] == {}  # one device
     # The profile: a trace TensorBoard can open, and the ops read back from it, costliest first.
     table = info["profile"]
@@ -231,3 +237,21 @@ def test_a_gpu_trace_is_read_from_the_device_plane_s_xla_ops_line():
     source, events = profile.op_events(Obj(planes=[host]))
     assert source == "/host:CPU thunks" and len(events) == 1
     assert events[0][:2] == ("convolution.1", "convolution.1") and events[0][2] == pytest.approx(9e-6)
+    # No "XLA Ops" line: the stream kernels, grouped under the HLO op each names; the
+    # host's launch times are never read for a GPU run, even when nothing names an op.
+    streams = Obj(name="/device:GPU:0", lines=[
+        Obj(name="XLA Modules", events=[event("jit_step", 5_000)]),
+        Obj(name="Stream #13(Compute)", events=[
+            event("sm90_xmma_fprop", 3_000, hlo_op="convolution.1"),
+            event("loop_fusion", 500, hlo_op="fusion.2"),
+            event("sm90_xmma_dgrad", 2_000, hlo_op="convolution.1"),
+            event("memcpy", 100)])])
+    source, events = profile.op_events(Obj(planes=[host, streams]))
+    assert source == "/device:GPU:0 stream kernels by HLO op"
+    assert sorted((op, name) for op, name, _ in events) == [
+        ("convolution.1", "sm90_xmma_dgrad"), ("convolution.1", "sm90_xmma_fprop"),
+        ("fusion.2", "loop_fusion")]
+    unnamed = Obj(name="/device:GPU:0", lines=[Obj(name="Stream #13(Compute)",
+                                                   events=[event("memcpy", 100)])])
+    source, events = profile.op_events(Obj(planes=[host, unnamed]))
+    assert events == [] and source.startswith("/device:GPU:0: no XLA op named")
