@@ -8,7 +8,14 @@
   a DataLoader with 2 workers, the plain loop with loss.item() every step.
 - torch_fast: the best PyTorch we can write for the same recipe: the data on the
   device as uint8, batches gathered and augmented there, channels_last,
-  bfloat16 autocast when the config says bfloat16, torch.compile on CUDA.
+  bfloat16 autocast when the config says bfloat16, torch.compile on CUDA
+  (static shapes: dynamic=False; --torch_compile_mode picks the mode).
+
+Timing is the same for jax and torch_fast: compilation and one untimed execution
+of what will be timed (jax: every compiled chunk and the evaluation, on a copy of
+the state; torch_fast: a forward and backward of a training batch and a forward
+of an evaluation batch) are excluded, so neither side's first-run costs (lazy
+kernel loading, autotuning) are counted. compare.json's "timing" says so.
 
 All three train the same architecture (parameter counts checked), with the same
 initialisation scheme, optimiser (jaxtrain/torch_optim.py: parameter groups and
@@ -34,6 +41,14 @@ from jaxtrain import data, loop, models, prepare, report, user_model
 from jaxtrain.errors import ConfigError, TrainingError
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+TIMING = {
+    "jax": "train_seconds excludes compilation and one untimed execution of every compiled "
+           "program (each chunk length, the evaluation) on a copy of the state",
+    "torch_fast": "train_seconds excludes building the model, torch.compile and one untimed "
+                  "forward/backward of a training batch and forward of an evaluation batch",
+    "torch_article": "train_seconds excludes building the model and the DataLoaders only",
+}
 JSON_FILE = "compare.json"
 PLOT_FILE = "compare.png"
 
@@ -289,8 +304,17 @@ def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=
     return progress.result(warmup_seconds, torch_models.count_params(model), "float32")
 
 
+def check_torch_device(jax_backend: str, torch_has_cuda: bool, torch_version: str = "") -> None:
+    """A comparison on a GPU must train both sides there: torch without CUDA would quietly
+    train on the CPU."""
+    if jax_backend == "gpu" and not torch_has_cuda:
+        raise CompareError(f"JAX trains on the GPU but torch {torch_version} sees no CUDA "
+                           "device, so its runs would train on the CPU: install a CUDA build "
+                           "of torch, or run --frameworks=jax")
+
+
 def run_torch_fast(config, dataset, mean, std, total_steps: int,
-                   torch_compile=None, stem_kernel=None) -> dict:
+                   torch_compile=None, stem_kernel=None, compile_mode: str = "default") -> dict:
     """The same recipe as fast as we can write it: uint8 data resident on the device,
     a torch.randperm order per epoch, each batch gathered and augmented there in one
     go, channels_last, bfloat16 autocast when config.train.precision says so, no host
@@ -310,7 +334,9 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     flips = first_epoch_flips(config, len(dataset.x_train))
     flips = None if flips is None else flips.to(device)
     model = model.to(memory_format=torch.channels_last)
-    forward = torch.compile(model) if torch_compile else model
+    # Static shapes: the evaluation batch must not turn the graph dynamic.
+    forward = (torch.compile(model, mode=compile_mode, dynamic=False) if torch_compile
+               else model)
     x_train = torch.from_numpy(dataset.x_train).to(device)  # uint8 NHWC
     y_train = torch.from_numpy(dataset.y_train).long().to(device)
     x_test = torch.from_numpy(dataset.x_test).to(device)
@@ -368,8 +394,11 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
             step += 1
             if progress.after_step(step, lambda: float(loss_sum) / loss_steps):
                 loss_sum, loss_steps = torch.zeros((), device=device), 0
-    return progress.result(warmup_seconds, torch_models.count_params(model),
-                           config.train.precision)
+    result = progress.result(warmup_seconds, torch_models.count_params(model),
+                             config.train.precision)
+    result["torch_compile"] = ({"mode": compile_mode, "dynamic": False} if torch_compile
+                               else None)
+    return result
 
 
 # ---------------------------------------------------------------- jaxtrain
@@ -378,10 +407,11 @@ def run_jax(config, workdir: str) -> dict:
     """jaxtrain itself, in a fresh workdir/jax (an old one would be resumed)."""
     jax_dir = os.path.join(workdir, "jax")
     shutil.rmtree(jax_dir, ignore_errors=True)
-    summary = loop.train_and_evaluate(config, jax_dir)
+    summary = loop.train_and_evaluate(config, jax_dir, warm_up=True)
     curve = [{"seconds": r["seconds"], "test_accuracy": r["test_accuracy"]}
              for r in report.read_metrics(jax_dir) if "test_accuracy" in r]
-    return {"device": summary["device_kind"], "warmup_seconds": summary["compile_seconds"],
+    warmup_seconds = summary["compile_seconds"] + summary["phase_seconds"]["warmup"]
+    return {"device": summary["device_kind"], "warmup_seconds": warmup_seconds,
             "train_seconds": summary["train_seconds"], "eval_seconds": summary["eval_seconds"],
             "images_per_second": summary["images_per_second"],
             "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
@@ -432,7 +462,7 @@ def plot(results: list[dict], path: str, title: str) -> str:
 
 
 def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
-        torch_compile=None) -> dict:
+        torch_compile=None, torch_compile_mode: str = "default") -> dict:
     """Trains the config with each framework in turn; prints the table and writes
     compare.json and compare.png into workdir. Returns what compare.json holds."""
     frameworks = list(frameworks)
@@ -445,7 +475,8 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
         if unsupported:
             raise CompareError("the PyTorch twins do not implement " + "; ".join(unsupported)
                                + ": run --frameworks=jax, or compare a recipe without them")
-        import_torch()  # fail before any training when torch is missing
+        torch = import_torch()  # fail before any training when torch is missing
+        check_torch_device(jax.default_backend(), torch.cuda.is_available(), torch.__version__)
     setup = prepare.setup(config)  # checks the config, loads the data, builds the Flax model
     if setup.runs:
         raise CompareError("compare trains one run per framework: drop train.replicas and "
@@ -461,7 +492,9 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
     os.makedirs(workdir, exist_ok=True)
     output = {"model": config.model.name, "param_count": param_count, "steps": total_steps,
               "batch_size": config.train.batch_size, "dataset": dataset.origin,
-              "config": config.to_dict(), "results": []}
+              "config": config.to_dict(),
+              "timing": {framework: TIMING[framework] for framework in frameworks},
+              "results": []}
     for framework in frameworks:
         print(f"--- {framework}", flush=True)
         if framework == "jax":
@@ -471,7 +504,7 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
                                        setup.stem_kernel)
         else:
             result = run_torch_fast(config, dataset, mean, std, total_steps, torch_compile,
-                                    setup.stem_kernel)
+                                    setup.stem_kernel, torch_compile_mode)
         print(f"{framework}: {result['param_count']:,} parameters", flush=True)
         if result["param_count"] != param_count:
             raise CompareError(f"{framework} trained {result['param_count']:,} parameters, "
@@ -500,6 +533,8 @@ def define_flags():
                         "jaxtrain's run (in jax/, started afresh) go.")
     flags.DEFINE_enum("torch_compile", "auto", ["auto", "on", "off"],
                       "torch_fast: torch.compile the model; auto = on CUDA only.")
+    flags.DEFINE_enum("torch_compile_mode", "default", list(TORCH_COMPILE_MODES),
+                      "torch_fast: torch.compile's mode (compare.json records it).")
     flags.mark_flag_as_required("config")
     flags.register_validator(
         "frameworks", lambda names: bool(names) and all(n in FRAMEWORKS for n in names),
@@ -515,7 +550,8 @@ def main(argv):
     FLAGS = flags.FLAGS
     torch_compile = {"auto": None, "on": True, "off": False}[FLAGS.torch_compile]
     try:
-        run(FLAGS.config, FLAGS.frameworks, FLAGS.workdir, torch_compile=torch_compile)
+        run(FLAGS.config, FLAGS.frameworks, FLAGS.workdir, torch_compile=torch_compile,
+            torch_compile_mode=FLAGS.torch_compile_mode)
     except (CompareError, data.DataError, ConfigError, TrainingError) as error:
         sys.exit(f"error: {error}")
 

@@ -9,6 +9,7 @@ import signal
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import (checkpoint, checks, models, optim, parallel, phases, prepare, profile,
@@ -20,7 +21,7 @@ ROWS_PER_RUN = 50  # train.log_every_steps=0: about this many metrics rows, what
 
 
 def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
-                       profile_steps: int = 0) -> dict:
+                       profile_steps: int = 0, warm_up: bool = False) -> dict:
     """Trains and evaluates the model the config describes; writes reports to workdir.
 
     Resumes from the newest checkpoint in workdir/checkpoints when there is one.
@@ -29,6 +30,9 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     start_time: when the process started (main.py), so summary.json's total_seconds
     and its phase_seconds cover the imports too. profile_steps > 0: trace that many
     steps after a warm-up step into workdir/profile and print the costliest XLA ops.
+    warm_up: run every compiled program once, untimed, on a copy of the state before
+    training (jaxtrain.compare: first-run costs kept out of train_seconds, as the PyTorch
+    twins' warm-up keeps them out); the run itself is unchanged.
     """
     main_process = parallel.is_main_process()
     clock = phases.Clock(start_time, say=print_now if main_process else None)
@@ -88,6 +92,9 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     compile_seconds = clock.lap("compile", f"compiled the {'training and ' if plan else ''}"
                                 "evaluation programs in {seconds:.1f} s"
                                 + cache_note(cache_dir, cache_before))
+    if warm_up and not streaming:
+        run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays)
+        clock.lap("warmup", "ran every compiled program once, untimed, in {seconds:.1f} s")
     if streaming and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
     clock.lap("load")
@@ -250,6 +257,17 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     reporter.print_line(clock.breakdown())
     reporter.write_summary(summary)
     return summary
+
+
+def run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays) -> None:
+    """Each compiled chunk (one step of a per-step loop) and the evaluation, run once on a
+    copy of `state` (the chunks donate it) with the results dropped: their first-run
+    costs are then paid before the clock starts."""
+    kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+    lengths = sorted({length for _, _, length in plan}) if kind == "scan" else [1]
+    for length in lengths if plan else ():
+        jax.block_until_ready(run_chunk(jax.tree.map(jnp.copy, state), data_key, 0, 0, length))
+    jax.block_until_ready(eval_fn(state, *eval_arrays))
 
 
 def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start_step: int):

@@ -8,8 +8,8 @@ ends, so the console says what the run is doing from its first seconds.
 import time
 
 # The phases of summary.json's phase_seconds, in the order a run meets them.
-NAMES = ("imports", "load", "statistics", "build", "restore", "compile", "train", "eval",
-         "checkpoint", "write")
+NAMES = ("imports", "load", "statistics", "build", "restore", "compile", "warmup", "train",
+         "eval", "checkpoint", "write")
 
 
 class Clock:

@@ -64,6 +64,33 @@ def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
         assert len(row["curve"]) == 1 and row["curve"][0]["seconds"] > 0
     assert (workdir / "jax" / "summary.json").exists()
     assert (workdir / compare.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The same treatment of first-run costs on both sides, said in the JSON.
+    assert written["timing"] == compare.TIMING
+    jax_summary = json.loads((workdir / "jax" / "summary.json").read_text())
+    assert jax_summary["phase_seconds"]["warmup"] > 0
+    jax_row = written["results"][0]
+    assert jax_row["warmup_seconds"] == pytest.approx(
+        jax_summary["compile_seconds"] + jax_summary["phase_seconds"]["warmup"])
+    assert written["results"][2]["torch_compile"] is None  # off on the CPU by default
+
+
+def test_the_warm_up_leaves_the_run_unchanged(cifar_batches_dir, tmp_path):
+    from jaxtrain import loop
+
+    config = seed_config(cifar_batches_dir, train__num_steps=6, eval__every_steps=3)
+    plain = loop.train_and_evaluate(config, str(tmp_path / "plain"))
+    warmed = loop.train_and_evaluate(config, str(tmp_path / "warmed"), warm_up=True)
+    assert plain["phase_seconds"]["warmup"] == 0 < warmed["phase_seconds"]["warmup"]
+    assert warmed["params_sha256"] == plain["params_sha256"]
+    assert warmed["test_loss"] == plain["test_loss"]
+
+
+def test_torch_without_cuda_beside_a_jax_gpu_is_one_line():
+    compare.check_torch_device("cpu", False)
+    compare.check_torch_device("gpu", True)
+    with pytest.raises(compare.CompareError, match=r"^JAX trains on the GPU but torch 2\.x "
+                       r"sees no CUDA device, so its runs would train on the CPU: install"):
+        compare.check_torch_device("gpu", False, "2.x")
 
 
 def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
