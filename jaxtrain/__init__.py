@@ -7,9 +7,12 @@ import importlib
 import importlib.util
 
 _EXPORTS = {
+    "Callback": "jaxtrain.callbacks", "CallbackError": "jaxtrain.callbacks",
     "CheckpointError": "jaxtrain.checkpoint", "Classifier": "jaxtrain.inference",
     "ConfigError": "jaxtrain.errors", "DataError": "jaxtrain.data", "Dataset": "jaxtrain.data",
-    "DistributedError": "jaxtrain.parallel", "Interrupted": "jaxtrain.signals",
+    "DistributedError": "jaxtrain.parallel", "EarlyStopping": "jaxtrain.callbacks",
+    "Interrupted": "jaxtrain.signals", "RunInfo": "jaxtrain.callbacks",
+    "StopTraining": "jaxtrain.callbacks",
     "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.evaluation",
     "load": "jaxtrain.data", "restore": "jaxtrain.inference",
     "train_and_evaluate": "jaxtrain.loop",

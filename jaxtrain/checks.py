@@ -65,10 +65,11 @@ def unknown_key_error(key: str, known) -> ConfigError:
 
 def check_keys(config) -> None:
     """Every key must be one jaxtrain knows: a misspelt key would otherwise be ignored.
-    (A parameter group's keys are optim.check_groups's to check.)"""
+    (A parameter group's keys are optim.check_groups's to check, a callback's its own.)"""
     known = known_keys()
     for key in flat_keys(config):
-        if key not in known and not key.startswith(("model.kwargs", "optimizer.groups.")):
+        if key not in known and not key.startswith(("model.kwargs", "optimizer.groups.",
+                                                     "callbacks.")):
             raise unknown_key_error(key, known)
 
 
@@ -230,7 +231,13 @@ def check_config(config) -> None:
                 value = _value(group, setting)
                 need(rule[0](value), f"optimizer.groups.{name}.{setting}", value,
                      "must be " + rule[1])
-    need(not aug.alternate_flip or aug.flip, "augment.alternate_flip", aug.alternate_flip,
+    for name in config.callbacks.keys():
+        entry = config.callbacks[name]
+        need(isinstance(entry, (dict, ml_collections.ConfigDict)) and isinstance(
+            entry.get("name"), str) and set(entry.keys()) <= {"name", "kwargs"},
+            f"callbacks.{name}", entry, "must be jaxtrain.defaults.callback("
+            "'package.module:Class' or a built-in's name, **kwargs)")
+        need(not aug.alternate_flip or aug.flip, "augment.alternate_flip", aug.alternate_flip,
          "needs augment.flip=True")
     if aug.crop != "none":
         need(dc.name == "folder" and dc.placement == "stream", "augment.crop", aug.crop,
@@ -246,7 +253,7 @@ def check_config(config) -> None:
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
-                     "train.compilation_cache",
+                     "train.compilation_cache", "callbacks.",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
                      "data.workers")
 

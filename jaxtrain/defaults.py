@@ -108,6 +108,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.every_epochs = 1     # 0 = only at the end
     config.eval.every_steps = 0      # > 0: also evaluate every this many steps (test points on the curves)
 
+    # Callbacks (jaxtrain/callbacks.py): name -> callback('package.module:Class', **kwargs),
+    # or a built-in by its name (callback('EarlyStopping', monitor='test_loss', patience=3));
+    # made anew for every run (a resume too), called in the order of their names.
+    config.callbacks = ml_collections.ConfigDict()
+
     # Sweep: a tuple of values for any of these keys trains one replica per value (per
     # seed of train.replicas, per combination of swept keys) in the same program, e.g.
     # --config.sweep.optimizer.learning_rate="(0.05, 0.1, 0.2)". () = not swept. Keys that
@@ -132,3 +137,9 @@ def param_group(params: str, **settings) -> ml_collections.ConfigDict:
     """
     return ml_collections.ConfigDict({"params": params, "lr_scale": 1.0, "train_steps": 0,
                                       **settings})
+
+
+def callback(name: str, **kwargs) -> ml_collections.ConfigDict:
+    """One entry of config.callbacks: the class `name` names ('package.module:Class', or a
+    built-in of jaxtrain.callbacks by its name), built with kwargs."""
+    return ml_collections.ConfigDict({"name": name, "kwargs": kwargs})

@@ -1,27 +1,30 @@
-"""The host loop: runs the compiled chunks (train.py), evaluates, reports (report.py)
-and saves checkpoints (checkpoint.py) on schedule, times every phase of the process
-(phases.py), and resumes exactly."""
+"""The host loop: a short skeleton that runs the planned compiled chunks (train.py) and
+hands each chunk's results to the run's actions (actions.py: rows, evaluation, reports,
+checkpoints, the user's callbacks, stops), then writes the summary. Resumes exactly.
+
+What the actions share lives in a Session: the setup (prepare.py), the state and its
+step, the checkpoint manager (checkpoint.py), the reporter (report.py), the phase clock
+(phases.py) and the compiled programs."""
 import copy
-import itertools
 import json
 import os
-import signal
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import (checkpoint, checks, models, optim, parallel, phases, prepare, profile,
-                      replicas, report, signals, train, user_model, xla_cache)
-from jaxtrain.errors import ConfigError, TrainingError
+from jaxtrain import (actions, callbacks as callbacks_lib, checkpoint, checks, models, optim,
+                      parallel, phases, prepare, replicas, report, signals, train, user_model,
+                      xla_cache)
+from jaxtrain.errors import ConfigError
 
-PROFILE_DIR = "profile"
+PROFILE_DIR = actions.PROFILE_DIR
 ROWS_PER_RUN = 50  # train.log_every_steps=0: about this many metrics rows, whatever the length
 
 
 def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
-                       profile_steps: int = 0, warm_up: bool = False) -> dict:
+                       profile_steps: int = 0, warm_up: bool = False, callbacks=()) -> dict:
     """Trains and evaluates the model the config describes; writes reports to workdir.
 
     Resumes from the newest checkpoint in workdir/checkpoints when there is one.
@@ -32,13 +35,117 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     steps after a warm-up step into workdir/profile and print the costliest XLA ops.
     warm_up: run every compiled program once, untimed, on a copy of the state before
     training (jaxtrain.compare: first-run costs kept out of train_seconds, as the PyTorch
-    twins' warm-up keeps them out); the run itself is unchanged.
+    twins' warm-up keeps them out); the run itself is unchanged. callbacks: objects
+    with jaxtrain.Callback's methods, after those config.callbacks names.
     """
-    main_process = parallel.is_main_process()
-    clock = phases.Clock(start_time, say=print_now if main_process else None)
+    clock = phases.Clock(start_time, say=print_now if parallel.is_main_process() else None)
     clock.lap("imports", "imported JAX, Flax and jaxtrain" if start_time is not None else None)
+    session, user_callbacks = start(config, workdir, model, clock, profile_steps, warm_up,
+                                    callbacks)
+    checkpoints = actions.Checkpoints(session)
+    steps = [actions.Profile(session), actions.Rows(session), actions.Evaluation(session),
+             actions.Log(session), checkpoints, actions.UserCallbacks(session, user_callbacks),
+             actions.Stops(session, checkpoints)]
+    try:
+        with signals.StopRequest() as session.signal:
+            for action in steps:
+                action.start()
+            for epoch, first_step, length in session.plan:
+                if session.stopped:  # a callback's StopTraining (actions.Stops)
+                    break
+                chunk = actions.Chunk(epoch, first_step, length, previous=session.step)
+                for action in steps:
+                    action.before_chunk(chunk)
+                session.run(chunk)  # the compiled program; nothing else inside
+                for action in steps:
+                    action.after_chunk(chunk)
+            for action in steps:
+                action.finish()
+            signals.enter_phase(f"evaluating and writing the reports after the last step; its "
+                                f"checkpoint is saved in {session.manager.directory}/"
+                                f"{session.step}", stop_at_once=False)
+            if session.signal():  # a signal while the last checkpoint was written
+                raise signals.Interrupted(session.signal.signal, session.step,
+                                          session.manager.directory)
+    finally:
+        for action in reversed(steps):
+            action.close()
+        session.close()
+    clock.lap("checkpoint")
+    summary = summarize(session)
+    for action in steps:
+        action.summarize(summary)
+    clock.lap("write")
+    summary["phase_seconds"] = dict(clock.seconds)  # this process's; they add up to the total
+    summary["total_seconds"] = clock.total()
+    session.reporter.print_line(clock.breakdown())
+    session.reporter.write_summary(summary)
+    for action in steps:
+        action.run_end(summary)
+    return summary
+
+
+class Session:
+    """What the actions of one run share (see actions.py)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+        self.step = self.start_step
+        self.test_metrics = self.test_step = self.stop_reason = None
+        self.stopped = False
+        self.wait_seconds = self.chunk_seconds = 0.0
+        self.latest = {row.get("replica"): row for row in self.reporter.records}
+        # One process alone may not stop mid-chunk: the others would wait for it forever.
+        self.single_process = jax.process_count() == 1
+
+    def run(self, chunk) -> None:
+        """Runs `chunk`'s compiled program on the state; times it."""
+        streaming = self.stream is not None
+        waited = self.stream.wait_seconds if streaming else 0.0
+        (self.state, metrics), chunk.seconds = train.timed(
+            self.run_chunk, self.state, self.data_key, chunk.epoch, chunk.first_step,
+            chunk.length, self.signal if self.single_process else None)
+        chunk.metrics = jax.device_get(metrics)
+        chunk.wait = self.stream.wait_seconds - waited if streaming else 0.0
+        self.train_seconds += chunk.seconds
+        self.wait_seconds += chunk.wait
+        self.chunk_seconds += chunk.seconds
+        self.step = chunk.step = train.current_step(self.state)
+        chunk.last = chunk.step == self.setup.total_steps
+        chunk.stopping = parallel.any_process(self.signal())
+
+    def evaluates(self, step: int) -> bool:
+        return evaluates_after(step, self.setup.steps_per_epoch, self.setup.total_steps,
+                               self.config.eval.every_epochs, self.config.eval.every_steps)
+
+    def chunk_rows(self, chunk, ends: list) -> list:
+        return chunk_rows(chunk.metrics["per_step"], chunk.previous, ends, self.setup,
+                          self.train_seconds, chunk.seconds, chunk.wait, self.schedules)
+
+    def save(self) -> None:
+        save(self.manager, self.setup, self.config, self.state, self.data_key, self.stream,
+             self.train_seconds, self.eval_seconds, self.test_metrics)
+
+    def ask_to_stop(self, reason: str) -> None:
+        """A callback's StopTraining: the first reason is kept (actions.Stops acts on it)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        self.reporter.close()
+        self.manager.close()
+
+
+def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool, given=()):
+    """Everything before the first chunk: the config checked, the data and model built,
+    the checkpoint restored, the programs compiled, the console's header printed.
+    Returns (Session, the user's callbacks)."""
+    main_process = parallel.is_main_process()
     signals.enter_phase("checking the config; nothing written yet")
     checks.check_config(config)
+    user_callbacks = callbacks_lib.from_config(config, given)
     cache_dir = xla_cache.enable(config.train.compilation_cache)
     if model is not None:
         config = copy.deepcopy(config)
@@ -62,7 +169,6 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     if restored is None and resuming:  # no step Orbax recognises: start afresh after all
         run = prepare.setup(config, mesh, model=model)
     state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
-    train_seconds, eval_seconds = meta.get("train_seconds", 0.0), meta.get("eval_seconds", 0.0)
     start_step = train.current_step(state)
     clock.lap("restore", None if restored is None else (
         f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
@@ -75,14 +181,13 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                         f"{manager.directory})")
 
     eval_arrays = prepare.put_eval_data(config, run)
-    every_save = save_interval(config, run.steps_per_epoch)
-    on_grid = row_grid(config.train.log_every_steps, run.steps_per_epoch, run.total_steps)
+    save_every = save_interval(config, run.steps_per_epoch)
     traced = profile_window(start_step, run.total_steps, profile_steps)
     if profile_steps and traced is None and main_process:
         print_now(f"--profile={profile_steps}: no step left to trace after the warm-up step "
                   f"(the run ends at step {run.total_steps}); nothing traced")
     plan = plan_chunks(run.total_steps, run.steps_per_epoch,
-                       (every_save, config.eval.every_steps, config.train.chunk_steps), start_step,
+                       (save_every, config.eval.every_steps, config.train.chunk_steps), start_step,
                        breaks=traced or ())
     stream, train_arrays = start_input(config, run, data_key, manager, meta, start_step)
     clock.lap("load")  # the copy to the devices, or the stream's start
@@ -102,7 +207,6 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
 
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
                                write=main_process, spread=bool(run.runs))
-    schedules = run_schedules(config, run)
     where = "host, streamed" if streaming else "devices"
     reporter.print_line(f"data on the {where}: {run.placement_reason}"
                         + (f"; {stream.workers} Grain workers" if streaming and stream.workers
@@ -114,108 +218,39 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
     clock.lap("write")
-    step = start_step
-    test_metrics = profile_table = None
-    tracing = False
-    wait_seconds = chunk_seconds = traced_seconds = 0.0
-    latest = {row.get("replica"): row for row in reporter.records}  # each run's last row
-    # One process alone may not stop mid-chunk: the others would wait for it forever.
-    single_process = jax.process_count() == 1
-    try:
-        with signals.StopRequest() as stop:
-            for epoch, first_step, length in plan:
-                if traced and step == traced[0]:
-                    jax.profiler.start_trace(os.path.join(workdir, PROFILE_DIR),
-                                             create_perfetto_trace=True)
-                    tracing = True
-                waited = stream.wait_seconds if streaming else 0.0
-                (state, metrics), seconds = train.timed(run_chunk, state, data_key, epoch,
-                                                        first_step, length,
-                                                        stop if single_process else None)
-                train_seconds += seconds
-                chunk_wait = stream.wait_seconds - waited if streaming else 0.0
-                wait_seconds += chunk_wait
-                chunk_seconds += seconds
-                metrics = jax.device_get(metrics)
-                if config.train.nonfinite == "stop":
-                    check_finite(metrics, run, epoch, manager.directory)
-                if tracing:
-                    traced_seconds += seconds
-                    if step + length == traced[1]:
-                        tracing = False
-                        profile_table = finish_profile(workdir, traced, traced_seconds,
-                                                       reporter)
-                previous, step = step, train.current_step(state)
-                epoch_done = step % run.steps_per_epoch == 0
-                last = step == run.total_steps
-                stopping = parallel.any_process(stop())
-                evaluating = evaluates_after(step, run.steps_per_epoch, run.total_steps,
-                                             config.eval.every_epochs, config.eval.every_steps)
-                ends = [s for s in range(previous + 1, step + 1) if on_grid(s)]
-                if (epoch_done or last or stopping or evaluating) and step not in ends[-1:]:
-                    ends.append(step)
-                rows = chunk_rows(metrics["per_step"], previous, ends, run, train_seconds,
-                                  seconds, chunk_wait, schedules)
-                latest.update({row.get("replica"): row for row in rows})
-                clock.lap("train")
-                if evaluating:
-                    test_metrics, seconds = train.timed(eval_fn, state, *eval_arrays)
-                    test_metrics = host_metrics(test_metrics)
-                    eval_seconds += seconds
-                    train_seconds += seconds
-                    for replica, row in latest.items():
-                        row.update(seconds=round(train_seconds, 4),
-                                   **{f"test_{name}": value if replica is None else value[replica]
-                                      for name, value in test_metrics.items()})
-                    clock.lap("eval")
-                for row in rows:
-                    reporter.log(row)
-                if epoch_done or last:
-                    reporter.print_row(console_row(latest, reporter.records,
-                                                   run.steps_per_epoch))
-                clock.lap("train")
-                if last or stopping or (every_save > 0 and step % every_save == 0):
-                    save(manager, run, config, state, data_key, stream, train_seconds,
-                         eval_seconds, test_metrics)
-                    clock.lap("checkpoint")
-                if stopping:
-                    checkpoint.wait(manager)
-                    raise signals.Interrupted(stop.signal or signal.SIGTERM, step,
-                                              manager.directory)
-            checkpoint.wait(manager)
-            clock.lap("checkpoint")
-            signals.enter_phase(f"evaluating and writing the reports after the last step; its "
-                                f"checkpoint is saved in {manager.directory}/{step}",
-                                stop_at_once=False)
-            if stop():  # a signal while the last checkpoint was written
-                raise signals.Interrupted(stop.signal, step, manager.directory)
-    finally:
-        if tracing:
-            jax.profiler.stop_trace()  # stopped or failed inside the traced steps
-        if stream is not None:
-            stream.close()
-        reporter.close()
-        manager.close()
-    clock.lap("checkpoint")
+    session = Session(
+        config=config, workdir=workdir, setup=run, manager=manager, state=state,
+        data_key=data_key, start_step=start_step, resumed=restored is not None, plan=plan,
+        traced=traced, stream=stream, run_chunk=run_chunk, eval_fn=eval_fn,
+        eval_arrays=eval_arrays, clock=clock, reporter=reporter, cache_dir=cache_dir,
+        compile_seconds=compile_seconds, save_every=save_every, signal=None,
+        on_grid=row_grid(config.train.log_every_steps, run.steps_per_epoch, run.total_steps),
+        schedules=run_schedules(config, run),
+        train_seconds=meta.get("train_seconds", 0.0), eval_seconds=meta.get("eval_seconds", 0.0))
+    return session, user_callbacks
 
-    if test_metrics is None:  # resumed from a checkpoint of the finished run
-        test_metrics = host_metrics(eval_fn(state, *eval_arrays))
-        clock.lap("eval")
-    if main_process:
-        reporter.plot()
+
+def summarize(session: Session) -> dict:
+    """summary.json's figures: the test metrics (a replicated run's means, and each
+    replica's results), times, throughput, the run's shape and versions."""
+    run, state, config = session.setup, session.state, session.config
+    test_metrics, records = session.test_metrics, session.reporter.records
+    if parallel.is_main_process():
+        session.reporter.plot()
     replica_results = None
     if run.runs:  # every replica's results; the top-level figures are their means
         replica_results = replicas.summarize(run.runs, [
             {"test_accuracy": test_metrics["accuracy"][r], "test_loss": test_metrics["loss"][r],
-             "train_loss": epoch_means(reporter.records, run.steps_per_epoch, r)["train_loss"],
+             "train_loss": report.epoch_means(records, run.steps_per_epoch, r)["train_loss"],
              "params_sha256": checkpoint.params_sha256(replicas.take(state, r))}
             for r in range(len(run.runs))])
         test_metrics = {name: replicas.mean_std(values)[0]
                         for name, values in test_metrics.items()}
     train_loss = (replicas.mean_std(r["train_loss"] for r in replica_results["replicas"])[0]
                   if run.runs else
-                  epoch_means(reporter.records, run.steps_per_epoch).get("train_loss"))
+                  report.epoch_means(records, run.steps_per_epoch).get("train_loss"))
     copies = len(run.runs) if run.runs else 1
+    train_seconds, eval_seconds = session.train_seconds, session.eval_seconds
     summary = {
         "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"],
@@ -224,15 +259,16 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
         "train_seconds": train_seconds,  # training and evaluation, over every resume
         "train_only_seconds": train_seconds - eval_seconds,
         "eval_seconds": eval_seconds,
-        "compile_seconds": compile_seconds,
-        "compilation_cache": cache_dir,
+        "compile_seconds": session.compile_seconds,
+        "compilation_cache": session.cache_dir,
         "data_placement": run.placement,
-        "input_wait_fraction": wait_seconds / chunk_seconds if chunk_seconds else 0.0,
+        "input_wait_fraction": (session.wait_seconds / session.chunk_seconds
+                                if session.chunk_seconds else 0.0),
         "images_per_second": (copies * run.total_steps * config.train.batch_size
                               / max(train_seconds - eval_seconds, 1e-9)),  # all replicas'
         "epochs": run.total_steps / run.steps_per_epoch,
         "steps": run.total_steps,
-        "resumed_from_step": start_step if restored is not None else None,
+        "resumed_from_step": session.start_step if session.resumed else None,
         "batch_size": config.train.batch_size,
         "param_count": prepare.param_count(state.params, run.runs),
         "device_kind": jax.devices()[0].device_kind,
@@ -249,15 +285,7 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
         summary["replica_layout"] = ("split: each device trains whole replicas"
                                      if prepare.splits_replicas(run) else
                                      "replicated: every replica's batch split over the devices")
-    if profile_table is not None:
-        summary["profile"] = profile_table
-    clock.lap("write")
-    summary["phase_seconds"] = dict(clock.seconds)  # this process's; they add up to the total
-    summary["total_seconds"] = clock.total()
-    reporter.print_line(clock.breakdown())
-    reporter.write_summary(summary)
     return summary
-
 
 def run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays) -> None:
     """Each compiled chunk (one step of a per-step loop) and the evaluation, run once on a
@@ -389,65 +417,6 @@ def metrics_rows(per_step: dict, first: int, ends: list) -> list[dict]:
     return rows
 
 
-def epoch_means(records: list, steps_per_epoch: int, replica: int | None = None) -> dict:
-    """Training loss and accuracy over the last epoch the rows reach (or its steps so far):
-    the rows' means weighted by their steps (of one replica's rows, for a replicated
-    run). The console's epoch rows and summary.json's train_loss; from the rows, so a
-    resumed run gets the uninterrupted run's figures."""
-    if not records:
-        return {}
-    last = records[-1]["step"]
-    epoch_start = (last - 1) // steps_per_epoch * steps_per_epoch
-    sums, previous = {"train_loss": 0.0, "train_accuracy": 0.0, "steps": 0}, epoch_start
-    epoch_rows = itertools.takewhile(lambda row: row["step"] > epoch_start, reversed(records))
-    for row in reversed([row for row in epoch_rows if row.get("replica") == replica]):
-        steps = row["step"] - previous - row.get("skipped_steps", 0)
-        previous = row["step"]
-        if row.get("train_loss") is None or steps <= 0:
-            continue
-        sums["train_loss"] += row["train_loss"] * steps
-        sums["train_accuracy"] += row["train_accuracy"] * steps
-        sums["steps"] += steps
-    if not sums["steps"]:
-        return {"train_loss": None, "train_accuracy": None}
-    return {key: sums[key] / sums["steps"] for key in ("train_loss", "train_accuracy")}
-
-
-def console_row(latest: dict, records: list, steps_per_epoch: int) -> dict:
-    """The console's row at an epoch's end: the last row with the epoch's mean training
-    figures; for a replicated run, (mean, std) over the replicas of each figure."""
-    rows = {replica: dict(row, **epoch_means(records, steps_per_epoch, replica))
-            for replica, row in latest.items()}
-    if list(rows) == [None]:
-        return rows[None]
-    row = dict(rows[max(rows)])
-    for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
-        if all(one.get(key) is not None for one in rows.values()):
-            row[key] = replicas.mean_std(one[key] for one in rows.values())
-    return row
-
-
-def check_finite(metrics: dict, run: prepare.Setup, epoch: int, directory: str) -> None:
-    """train.nonfinite='stop': a TrainingError at a chunk's first non-finite loss, naming
-    the step (and the replica, for a replicated run)."""
-    bad_steps = np.atleast_1d(metrics["nonfinite_step"])
-    if not (bad_steps >= 0).any():
-        return
-    replica = int(np.argmax(bad_steps >= 0))
-    bad = epoch * run.steps_per_epoch + int(bad_steps[replica])
-    which = f" of {replicas.describe(run.runs[replica])}" if run.runs else ""
-    raise TrainingError(
-        f"non-finite training loss at step {bad} (epoch {epoch}){which}; the last good "
-        f"checkpoint is kept in {directory}. Lower optimizer.learning_rate, check the data, "
-        "or set train.nonfinite='skip' to skip such steps")
-
-
-def host_metrics(metrics) -> dict:
-    """Evaluation results as Python floats (a list per metric for a replicated run)."""
-    return {name: float(value) if np.ndim(value) == 0 else [float(v) for v in value]
-            for name, value in jax.device_get(metrics).items()}
-
-
 def run_schedules(config, run: prepare.Setup) -> list:
     """The learning-rate schedule of each replica (one for a single run), for the rows."""
     if not run.runs:
@@ -464,23 +433,6 @@ def profile_window(start_step: int, total_steps: int, steps: int):
     if steps <= 0 or first >= total_steps:
         return None
     return first, min(first + steps, total_steps)
-
-
-def finish_profile(workdir: str, traced, seconds: float, reporter) -> dict:
-    """Stops the trace; prints where it is and the ten XLA ops that took the most time."""
-    jax.profiler.stop_trace()
-    steps, directory = traced[1] - traced[0], os.path.join(workdir, PROFILE_DIR)
-    # Shares are of the summed op time: the traced steps' wall time includes the
-    # profiler's own overhead, so it is reported beside them, not divided by.
-    trace = profile.newest_trace(directory)
-    table = profile.op_table(trace, steps)
-    table["traced_wall_seconds_per_step"] = seconds / steps
-    perfetto = os.path.join(os.path.dirname(trace), "perfetto_trace.json.gz")
-    reporter.print_line(f"profile of steps {traced[0] + 1}-{traced[1]} ({seconds / steps * 1e3:.2f}"
-                        f" ms a step under the profiler): `tensorboard --logdir {directory}` "
-                        f"(profile plugin), or open {perfetto} at ui.perfetto.dev\n"
-                        + profile.format_op_table(table))
-    return table
 
 
 def plan_chunks(total_steps: int, steps_per_epoch: int, every_steps=(), start_step: int = 0,

@@ -72,6 +72,16 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(flags))
 
 
+def first_process(flag: bool) -> int | None:
+    """The index of the first process whose `flag` is true (None: none's), the same on
+    every process: a callback's stop on one process stops them all at one step."""
+    if jax.process_count() == 1:
+        return 0 if flag else None
+    flags = multihost_utils.process_allgather(np.asarray(flag, np.int32))
+    found = np.flatnonzero(np.asarray(flags))
+    return int(found[0]) if found.size else None
+
+
 # ---------------------------------------------------------------- jax.distributed
 
 # Environments where a scheduler starts one process per task and JAX's cluster

@@ -1,5 +1,6 @@
 """What a run tells its user: console table and progress bar, metrics.jsonl,
 TensorBoard event files, a PNG of the curves, and summary.json."""
+import itertools
 import json
 import math
 import os
@@ -80,11 +81,13 @@ class Reporter:
         self.write = write
         self.stream = stream or sys.stdout
         path = os.path.join(workdir, METRICS_FILE)
-        self.records: list[dict] = []
+        # A resumed run's rows as the file held them, also those past start_step (a killed
+        # run logged them after its last checkpoint; this run logs them again).
+        self.previous_records: list[dict] = (read_metrics(workdir) if start_step > 0
+                                             and os.path.exists(path) else [])
+        self.records = [r for r in self.previous_records if r["step"] <= start_step]
         if not write:
             return
-        if start_step > 0 and os.path.exists(path):
-            self.records = [r for r in read_metrics(workdir) if r["step"] <= start_step]
         os.makedirs(workdir, exist_ok=True)
         self._metrics = open(path, "w")
         for record in self.records:
@@ -206,3 +209,27 @@ class Reporter:
                     f"train_seconds={summary['train_seconds']:.2f}  "
                     f"compile_seconds={summary['compile_seconds']:.2f}  "
                     f"images/s={summary['images_per_second']:.0f}  -> {self.workdir}")
+
+
+def epoch_means(records: list, steps_per_epoch: int, replica: int | None = None) -> dict:
+    """Training loss and accuracy over the last epoch the rows reach (or its steps so far):
+    the rows' means weighted by their steps (of one replica's rows, for a replicated
+    run). The console's epoch rows and summary.json's train_loss; from the rows, so a
+    resumed run gets the uninterrupted run's figures."""
+    if not records:
+        return {}
+    last = records[-1]["step"]
+    epoch_start = (last - 1) // steps_per_epoch * steps_per_epoch
+    sums, previous = {"train_loss": 0.0, "train_accuracy": 0.0, "steps": 0}, epoch_start
+    epoch_rows = itertools.takewhile(lambda row: row["step"] > epoch_start, reversed(records))
+    for row in reversed([row for row in epoch_rows if row.get("replica") == replica]):
+        steps = row["step"] - previous - row.get("skipped_steps", 0)
+        previous = row["step"]
+        if row.get("train_loss") is None or steps <= 0:
+            continue
+        sums["train_loss"] += row["train_loss"] * steps
+        sums["train_accuracy"] += row["train_accuracy"] * steps
+        sums["steps"] += steps
+    if not sums["steps"]:
+        return {"train_loss": None, "train_accuracy": None}
+    return {key: sums[key] / sums["steps"] for key in ("train_loss", "train_accuracy")}

@@ -1,0 +1,284 @@
+"""jaxtrain/callbacks.py and the loop's actions: user callbacks see every row and
+evaluation once (also across a SIGKILL and resume), StopTraining and EarlyStopping stop
+a run cleanly (also a two-process one, at one step), a failing callback is one line."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from configs import cifar_seed_cnn
+from jaxtrain import callbacks, checkpoint, checks, loop, report
+from jaxtrain.defaults import callback
+from jaxtrain.errors import ConfigError
+from overrides import with_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+# The volatile fields of a row: wall-clock times, not what training computed.
+CLOCKS = ("seconds", "input_wait_fraction")
+
+
+def mlp_config(data_dir, **overrides):
+    """A BatchNorm MLP on the 2,000-image subset: 40 steps an epoch, scanned."""
+    config = cifar_seed_cnn.get_config()
+    config.data.dir = str(data_dir)
+    config.data.source = "files"
+    config.model.name = "mlp"
+    config.model.batch_norm = True
+    config.model.hidden_sizes = (64, 32)
+    config.optimizer.learning_rate = 0.05
+    config.train.batch_size = 50
+    config.train.num_steps = 200
+    config.train.log_every_steps = 10
+    config.train.precision = "float32"
+    config.eval.every_steps = 10
+    config.eval.batch_size = 250
+    config.checkpoint.every_epochs = 0
+    return with_overrides(config, overrides)
+
+
+def early_stop_step(losses: dict, patience: int, min_delta: float):
+    """EarlyStopping's rule on {step: test_loss}, recomputed with NumPy."""
+    steps = np.array(sorted(losses))
+    values = np.array([losses[s] for s in steps])
+    best, waited = np.inf, 0
+    for step, value in zip(steps, values):
+        if value < best - min_delta:
+            best, waited = value, 0
+        else:
+            waited += 1
+            if waited >= patience:
+                return int(step)
+    return None
+
+
+@pytest.fixture(scope="module")
+def mlp_reference(cifar_batches_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("reference")
+    loop.train_and_evaluate(mlp_config(cifar_batches_dir), str(workdir))
+    return report.read_metrics(str(workdir))
+
+
+def test_early_stopping_stops_where_its_rule_says(mlp_reference, cifar_batches_dir, tmp_path):
+    losses = {row["step"]: row["test_loss"] for row in mlp_reference if "test_loss" in row}
+    assert len(losses) == 20
+    expected = early_stop_step(losses, patience=2, min_delta=0.01)
+    assert expected is not None and expected < 200  # the rule does stop this run
+    config = mlp_config(cifar_batches_dir)
+    config.callbacks.early = callback("EarlyStopping", monitor="test_loss", patience=2,
+                                      min_delta=0.01)
+    summary = loop.train_and_evaluate(config, str(tmp_path))
+    assert summary["stopped_early"]["step"] == expected
+    assert summary["stopped_early"]["reason"].startswith(
+        "test_loss has not improved by more than 0.01 for 2 evaluations (best ")
+    assert checkpoint.saved_steps(checkpoint.checkpoint_dir(str(tmp_path)))[-1] == expected
+    rows = report.read_metrics(str(tmp_path))
+    assert rows[-1]["step"] == expected
+    strip = [{k: v for k, v in row.items() if k not in CLOCKS} for row in rows]
+    assert strip == [{k: v for k, v in row.items() if k not in CLOCKS}
+                     for row in mlp_reference if row["step"] <= expected]
+    assert summary["test_loss"] == losses[expected]
+    # Run again: the rule, rebuilt from the rows, says stop at once; nothing is trained.
+    again = loop.train_and_evaluate(config, str(tmp_path))
+    assert again["stopped_early"] == summary["stopped_early"]
+    assert again["resumed_from_step"] == expected and again["params_sha256"] == summary[
+        "params_sha256"]
+
+
+def test_early_stopping_on_accuracy_and_train_metrics():
+    stop = callbacks.EarlyStopping(monitor="test_accuracy", patience=1)
+    assert stop.mode == "max"
+    stop.on_evaluation(10, {"test_accuracy": 0.5})
+    stop.on_evaluation(20, {"test_accuracy": 0.6})
+    with pytest.raises(callbacks.StopTraining, match=r"best 0\.6 at step 20"):
+        stop.on_evaluation(30, {"test_accuracy": 0.6})
+    replicated = callbacks.EarlyStopping(monitor="train_loss", patience=1)
+    replicated.on_evaluation(10, {"train_loss": [1.0, 3.0]})  # the mean over replicas: 2.0
+    with pytest.raises(callbacks.StopTraining):
+        replicated.on_evaluation(20, {"train_loss": [2.5, 1.5]})
+    with pytest.raises(ValueError, match="no metric 'test_los'"):
+        callbacks.EarlyStopping(monitor="test_los").on_evaluation(1, {"test_loss": 1.0})
+
+
+def test_callbacks_from_python_and_the_config_run_in_order(cifar_batches_dir, tmp_path):
+    import recording_callback
+
+    path = tmp_path / "calls.jsonl"
+    config = mlp_config(cifar_batches_dir, train__num_steps=40, eval__every_steps=20,
+                        checkpoint__every_steps=20)
+    config.callbacks.record = callback("recording_callback:Recorder", path=str(path))
+
+    class Order(callbacks.Callback):
+        def on_rows(self, rows):
+            recording_callback.append(path, {"event": "python", "step": rows[-1]["step"]})
+
+    summary = loop.train_and_evaluate(config, str(tmp_path / "run"), callbacks=[Order()])
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [c["event"] for c in calls] == [
+        "start", "row", "row", "python", "evaluation", "checkpoint",
+        "row", "row", "python", "evaluation", "checkpoint", "end"]
+    assert calls[0]["start_step"] == 0 and calls[0]["history"] == 0
+    assert all(c["on_disk"] for c in calls if c["event"] == "checkpoint")
+    rows = report.read_metrics(str(tmp_path / "run"))
+    assert [c["step"] for c in calls if c["event"] == "row"] == [r["step"] for r in rows]
+    evaluation = next(c for c in calls if c["event"] == "evaluation")
+    assert evaluation["step"] == 20 and evaluation["test_loss"] == rows[1]["test_loss"]
+    assert evaluation["train_loss"] == rows[1]["train_loss"]
+    assert calls[-1]["test_accuracy"] == summary["test_accuracy"]
+
+
+def test_config_errors_name_the_callback(cifar_batches_dir):
+    config = mlp_config(cifar_batches_dir)
+    config.callbacks.early = callback("EarlyStoping", monitor="test_loss")
+    with pytest.raises(ConfigError, match=r"^config\.callbacks\.early\.name='EarlyStoping': "
+                       r"module 'jaxtrain\.callbacks' has no class 'EarlyStoping'"):
+        callbacks.from_config(config)
+    config.callbacks.early = callback("EarlyStopping", patients=3)
+    with pytest.raises(ConfigError, match=r"unexpected keyword argument 'patients'"):
+        callbacks.from_config(config)
+    config.callbacks.early = callback("no_such_package.module:Thing")
+    with pytest.raises(ConfigError, match=r"cannot import 'no_such_package\.module'"):
+        callbacks.from_config(config)
+    with config.callbacks.ignore_type():
+        config.callbacks.early = "EarlyStopping"
+    with pytest.raises(ConfigError, match=r"^config\.callbacks\.early='EarlyStopping': must be "
+                       r"jaxtrain\.defaults\.callback\("):
+        checks.check_config(config)
+
+
+def write_config(path: Path, **entries) -> Path:
+    """A config file: the seed recipe on the test subset, with callbacks `entries`
+    (name -> (class, kwargs))."""
+    lines = ["from configs import cifar_seed_cnn", "from jaxtrain.defaults import callback", "",
+             "def get_config():", "    config = cifar_seed_cnn.get_config()"]
+    for name, (cls, kwargs) in entries.items():
+        lines.append(f"    config.callbacks.{name} = callback({cls!r}, **{kwargs!r})")
+    lines.append("    return config")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def child_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_main(config_file, workdir, data_dir, *flags, timeout=600):
+    return subprocess.run([sys.executable, "main.py", f"--config={config_file}",
+                           f"--workdir={workdir}", f"--config.data.dir={data_dir}",
+                           "--config.data.source=files", *flags], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+SMALL = ("--config.train.batch_size=50", "--config.train.num_steps=40",
+         "--config.train.log_every_steps=10", "--config.checkpoint.every_steps=10",
+         "--config.eval.every_steps=10", "--config.eval.batch_size=250")
+
+
+def test_stop_training_ends_the_run_cleanly(cifar_batches_dir, tmp_path):
+    config = write_config(tmp_path / "stop.py", stop=("recording_callback:StopAt", {"step": 20}))
+    result = run_main(config, tmp_path / "run", cifar_batches_dir, *SMALL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "stopped early at step 20: step 20 reached" in result.stdout
+    summary = json.loads((tmp_path / "run" / report.SUMMARY_FILE).read_text())
+    assert summary["stopped_early"] == {"step": 20, "reason": "step 20 reached"}
+    assert checkpoint.saved_steps(str(tmp_path / "run" / "checkpoints"))[-1] == 20
+
+
+def test_a_failing_callback_is_one_line_and_keeps_the_checkpoint(cifar_batches_dir, tmp_path):
+    config = write_config(tmp_path / "fails.py",
+                          fails=("recording_callback:FailsAtEvaluation", {}))
+    result = run_main(config, tmp_path / "run", cifar_batches_dir, *SMALL)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    directory = tmp_path / "run" / "checkpoints"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: callback FailsAtEvaluation.on_evaluation failed at step 10: ValueError: no "
+        f"per-class accuracy at step 10; the checkpoints are kept in {directory} (newest: "
+        "step 10)")
+    assert checkpoint.saved_steps(str(directory)) == [10]
+
+
+def test_an_unknown_callback_is_a_usage_error_and_writes_nothing(cifar_batches_dir, tmp_path):
+    config = write_config(tmp_path / "bad.py", rec=("recording_callback:Recordr", {}))
+    result = run_main(config, tmp_path / "run", cifar_batches_dir, *SMALL)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config.callbacks.rec.name='recording_callback:Recordr': module "
+        "'recording_callback' has no class 'Recordr'")
+    assert not (tmp_path / "run").exists()
+
+
+LONG = ("--config.model.batch_norm=True", "--config.augment.flip=True",
+        "--config.train.batch_size=4", "--config.train.num_steps=3000",
+        "--config.train.log_every_steps=100", "--config.checkpoint.every_steps=500",
+        "--config.eval.every_epochs=0", "--config.eval.every_steps=500",
+        "--config.eval.batch_size=250")
+
+
+def test_every_row_and_evaluation_once_across_a_sigkill(cifar_batches_dir, tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    config = write_config(tmp_path / "record.py",
+                          record=("recording_callback:Recorder", {"path": str(calls)}))
+    workdir = tmp_path / "run"
+    command = [sys.executable, "main.py", f"--config={config}", f"--workdir={workdir}",
+               f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files", *LONG]
+    first = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (calls.exists() and any(json.loads(line).get("step", 0) >= 1300
+                                      for line in calls.read_text().splitlines()
+                                      if '"row"' in line)):
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    rerun = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    starts = [c for c in seen if c["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["start_step"] == 1000 and starts[1]["history"] >= 13
+    rows = report.read_metrics(str(workdir))
+    assert [r["step"] for r in rows] == list(range(100, 3001, 100))
+    delivered = [c for c in seen if c["event"] == "row"]
+    assert [c["step"] for c in delivered] == [r["step"] for r in rows]  # each once, in order
+    assert len({c["pid"] for c in delivered}) == 2  # the killed run's and the rerun's
+
+    def strip(row):
+        return {k: v for k, v in row.items() if k not in (*CLOCKS, "event", "pid")}
+
+    assert [strip(c) for c in delivered] == [strip(r) for r in rows]
+    evaluations = [c for c in seen if c["event"] == "evaluation"]
+    assert [c["step"] for c in evaluations] == list(range(500, 3001, 500))
+    assert [c["event"] for c in seen].count("end") == 1
+
+
+def test_a_stop_on_one_process_stops_both_at_the_same_step(cifar_batches_dir, tmp_path):
+    from test_parallel import RECIPE, devices_env, finish, free_port
+
+    config = write_config(tmp_path / "stop.py",
+                          stop=("recording_callback:StopAt", {"step": 20, "process": 1}))
+    address = f"localhost:{free_port()}"
+    args = ["main.py", f"--config={config}", *RECIPE[1:], "--config.train.num_steps=60",
+            "--config.train.chunk_steps=5", "--config.checkpoint.every_epochs=0",
+            f"--workdir={tmp_path / 'run'}", f"--config.data.dir={cifar_batches_dir}",
+            f"--coordinator_address={address}", "--num_processes=2"]
+    env = dict(devices_env(4), PYTHONPATH=os.pathsep.join(
+        filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    processes = [subprocess.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
+                                  env=env, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(2)]
+    results = [finish(p) for p in processes]
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
+    assert "stopped early at step 20: a callback of process 1 asked to stop" in results[0].stdout
+    summary = json.loads((tmp_path / "run" / report.SUMMARY_FILE).read_text())
+    assert summary["stopped_early"]["step"] == 20
+    assert checkpoint.saved_steps(str(tmp_path / "run" / "checkpoints")) == [20]
