@@ -36,8 +36,9 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, plots 
                     "runs/<config file name without .py>.")
 flags.DEFINE_enum("mode", "train", ["train", "eval"],
                   "train (or resume), or eval: evaluate the newest checkpoint on the test split.")
-flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step number, or a step directory "
-                    "(WORKDIR/checkpoints/STEP), to evaluate instead of the newest.")
+flags.DEFINE_string("checkpoint", None, "With --mode=eval: a step number, a step directory "
+                    "(WORKDIR/checkpoints/STEP), or 'best' (checkpoint.best_metric's), to "
+                    "evaluate instead of the newest.")
 flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of process 0 "
                     "(default $JAX_COORDINATOR_ADDRESS; auto-detected under SLURM/Open MPI).")
 flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes "

@@ -155,6 +155,11 @@ class Evaluation(Action):
         s = self.session
         metrics, seconds = train.timed(s.eval_fn, s.state, *s.eval_arrays)
         s.test_metrics, s.test_step = host_metrics(metrics), step
+        if s.state.ema is not None:  # train.ema_decay: the averaged weights too
+            metrics, more = train.timed(s.eval_fn, train.ema_weights(s.state), *s.eval_arrays)
+            s.test_metrics.update({f"{name}_ema": value
+                                   for name, value in host_metrics(metrics).items()})
+            seconds += more
         if counted:  # part of the run's train_seconds
             s.eval_seconds += seconds
             s.train_seconds += seconds
@@ -182,23 +187,47 @@ class Log(Action):
 
 class Checkpoints(Action):
     """Saves on schedule (checkpoint.every_steps / every_epochs), at the last step and
-    where the run stops; asynchronously, waited for before the run ends."""
+    where the run stops; asynchronously, waited for before the run ends. With
+    checkpoint.best_metric, also at every evaluation, with its test metric, so that the
+    manager (Orbax's BestN policy) keeps the best ones."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.best = checkpoint.best_policy(session.config.checkpoint)
+        self.best_checkpoint = None
 
     def after_chunk(self, chunk):
         every = self.session.save_every
-        if chunk.last or chunk.stopping or (every > 0 and chunk.step % every == 0):
+        if (chunk.last or chunk.stopping or (every > 0 and chunk.step % every == 0)
+                or (self.best and chunk.evaluated)):
             self.save(chunk)
 
     def save(self, chunk):
         s = self.session
         if not chunk.saved:
-            s.save()
+            metrics = None
+            if self.best and s.test_step == chunk.step:
+                name = self.best[0].removeprefix("test_")
+                metrics = {self.best[0]: float(np.mean(s.test_metrics[name]))}
+            s.save(metrics)
             chunk.saved = True
         s.clock.lap("checkpoint")
 
     def finish(self):
-        checkpoint.wait(self.session.manager)
-        self.session.clock.lap("checkpoint")
+        s = self.session
+        checkpoint.wait(s.manager)
+        if self.best:  # over every checkpoint kept, also those of the run before a resume
+            step = s.manager.best_step()
+            values = [row[self.best[0]] for row in s.reporter.records
+                      if row["step"] == step and row.get(self.best[0]) is not None]
+            if step is not None and values:
+                self.best_checkpoint = {"step": step, self.best[0]: float(np.mean(values)),
+                                        "path": os.path.join(s.manager.directory, str(step))}
+        s.clock.lap("checkpoint")
+
+    def summarize(self, summary):
+        if self.best_checkpoint is not None:
+            summary["best_checkpoint"] = self.best_checkpoint
 
 
 class UserCallbacks(Action):

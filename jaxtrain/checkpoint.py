@@ -44,12 +44,52 @@ def saved_steps(directory: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
-def create_manager(directory: str, keep: int = 3, create: bool = True, stream: bool = False):
+BEST_MODES = ("auto", "max", "min")
+
+
+def best_policy(checkpoint_config) -> tuple | None:
+    """(metric, 'max' or 'min', how many) from checkpoint.best_metric / best_mode /
+    keep_best; None when no best checkpoint is kept."""
+    metric = checkpoint_config.get("best_metric", "")
+    if not metric:
+        return None
+    mode = checkpoint_config.get("best_mode", "auto")
+    if mode == "auto":
+        mode = "max" if "accuracy" in metric else "min"
+    return metric, mode, checkpoint_config.get("keep_best", 1)
+
+
+class _NoMetricsWarning(logging.Filter):
+    """Orbax warns at every save without metrics once it tracks the best; jaxtrain saves
+    between evaluations on purpose (those steps are kept for resuming, not ranked)."""
+
+    def filter(self, record):
+        return "did not provide metrics" not in record.getMessage()
+
+
+def create_manager(directory: str, keep: int = 3, create: bool = True, stream: bool = False,
+                   best: tuple | None = None):
     """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`;
-    `stream`: it also holds the Grain input iterator's state."""
+    `stream`: it also holds the Grain input iterator's state. `best` (best_policy's):
+    it also keeps the best checkpoints by that test metric (Orbax's BestN policy beside
+    LatestN, so the newest one that resume needs is always kept)."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"cannot use {directory} for checkpoints: it is not a directory")
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+    if best is None:
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+    else:
+        metric, mode, count = best
+        policies = ocp.checkpoint_managers
+        options = ocp.CheckpointManagerOptions(
+            create=create, best_fn=lambda metrics: metrics[metric], best_mode=mode,
+            preservation_policy=policies.AnyPreservationPolicy([
+                policies.LatestN(n=keep),
+                policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
+                               reverse=mode == "min", n=count,
+                               keep_checkpoints_without_metrics=False)]))
+        for name in ("absl", ""):
+            if not any(isinstance(f, _NoMetricsWarning) for f in logging.getLogger(name).filters):
+                logging.getLogger(name).addFilter(_NoMetricsWarning())
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     if stream or _holds_input_state(directory):  # Orbax warns of items it has no handler for
         import grain  # only streaming runs pay for the import
@@ -70,15 +110,20 @@ def _holds_input_state(directory: str) -> bool:
 
 
 def state_tree(state, rng) -> dict:
-    """What a checkpoint holds of a TrainState, plus the run's PRNG key data."""
-    return {"params": state.params, "batch_stats": state.batch_stats,
+    """What a checkpoint holds of a TrainState, plus the run's PRNG key data (and the
+    weights' moving average, train.ema_decay)."""
+    tree = {"params": state.params, "batch_stats": state.batch_stats,
             "opt_state": state.opt_state, "step": state.step,
             "rng": jax.random.key_data(rng)}
+    if state.ema is not None:
+        tree["ema"] = state.ema
+    return tree
 
 
-def save(manager, state, rng, meta: dict, input_state=None) -> None:
+def save(manager, state, rng, meta: dict, input_state=None, metrics: dict | None = None) -> None:
     """Starts an asynchronous save of the state at its step; raises CheckpointError on failure.
-    input_state: a Grain iterator (or its frozen state) to save beside it."""
+    input_state: a Grain iterator (or its frozen state) to save beside it. metrics: the
+    test metrics of this step, by which a manager keeping the best ranks it."""
     step = train.current_step(state)
     items = {"state": ocp.args.StandardSave(state_tree(state, rng)),
              "meta": ocp.args.JsonSave(meta)}
@@ -86,7 +131,7 @@ def save(manager, state, rng, meta: dict, input_state=None) -> None:
         import grain
         items["input"] = grain.checkpoint.CheckpointSave(input_state)
     try:
-        manager.save(step, args=ocp.args.Composite(**items))
+        manager.save(step, args=ocp.args.Composite(**items), metrics=metrics)
     except OSError as error:
         raise CheckpointError(f"saving the checkpoint of step {step} in {manager.directory} "
                               f"failed: {error}; earlier checkpoints are untouched") from error
@@ -114,7 +159,8 @@ def check_compatible(manager, step: int, target: dict) -> None:
         raise FileNotFoundError(f"{manager.directory}/{step}: no readable state metadata")
     # parameters first: they name the layer that differs most plainly
     ordered = [(f"{top}/{_path(path)}" if path else top, leaf)
-               for top in ("params", "batch_stats", "opt_state", "step", "rng")
+               for top in ("params", "batch_stats", "opt_state", "step", "rng", "ema")
+               if top in target
                for path, leaf in jax.tree_util.tree_leaves_with_path(target[top])]
     for name, leaf in ordered:
         if name not in saved_leaves:
@@ -157,7 +203,8 @@ def restore(manager, state, rng, step: int | None = None):
             continue
         tree = restored["state"]
         state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
-                              opt_state=tree["opt_state"], step=tree["step"])
+                              opt_state=tree["opt_state"], step=tree["step"],
+                              ema=tree.get("ema"))
         return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
     if steps:
         raise CheckpointError(f"no readable checkpoint in {manager.directory} "
@@ -175,6 +222,15 @@ def restore_input(manager, step: int, iterator) -> None:
         raise CheckpointError(f"checkpoint {manager.directory}/{step}: its data iterator state "
                               f"cannot be restored ({type(error).__name__}: {error}); delete "
                               "the checkpoint to resume from the one before") from error
+
+
+def best_step(manager) -> int:
+    """The step of the best checkpoint kept (a manager made with `best`)."""
+    step = manager.best_step()
+    if step is None:
+        raise CheckpointError(f"no checkpoint with test metrics in {manager.directory}: the "
+                              "best is chosen among the checkpoints saved at evaluations")
+    return step
 
 
 def read_meta(manager, step: int | None = None) -> dict:

@@ -171,11 +171,19 @@ RANGES = {
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
     "train.chunk_steps": (_at_least(0, True), "an int >= 0 (0: an epoch)"),
     "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
+    "train.ema_decay": (lambda v: v is None or (_number(v) and 0 <= v < 1),
+                        "None (off) or in [0, 1), e.g. 0.999"),
     "train.replicas": (_at_least(1, True), "an int >= 1"),
     "train.compilation_cache": (lambda v: isinstance(v, str), "a folder, or '' (off)"),
     "checkpoint.every_steps": (_at_least(0, True), "an int >= 0 (0: checkpoint.every_epochs)"),
     "checkpoint.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
     "checkpoint.keep": (_at_least(1, True), "an int >= 1"),
+    "checkpoint.best_metric": (_one_of("", "test_accuracy", "test_loss", "test_accuracy_ema",
+                                       "test_loss_ema"),
+                               "'' (off), 'test_accuracy' or 'test_loss' (or their _ema, "
+                               "with train.ema_decay)"),
+    "checkpoint.best_mode": (_one_of("auto", "max", "min"), "'auto', 'max' or 'min'"),
+    "checkpoint.keep_best": (_at_least(1, True), "an int >= 1"),
     "eval.batch_size": (_at_least(1, True), "an int >= 1"),
     "eval.tta": (_one_of("none", "flip", "flip_translate"), "'none', 'flip' or 'flip_translate'"),
     "eval.tta_fraction": (_within(0, 1), "in [0, 1]"),
@@ -231,6 +239,9 @@ def check_config(config) -> None:
                 value = _value(group, setting)
                 need(rule[0](value), f"optimizer.groups.{name}.{setting}", value,
                      "must be " + rule[1])
+    need(not config.checkpoint.best_metric.endswith("_ema")
+         or config.train.ema_decay is not None, "checkpoint.best_metric",
+         config.checkpoint.best_metric, "needs train.ema_decay (the averaged weights)")
     for name in config.callbacks.keys():
         entry = config.callbacks[name]
         need(isinstance(entry, (dict, ml_collections.ConfigDict)) and isinstance(

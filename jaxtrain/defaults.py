@@ -91,6 +91,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.train.replicas = 1        # > 1: this many runs trained together in one program (jax.vmap),
                                      # seeds seed, seed+1, ...; crossed with `sweep` below
+    config.train.ema_decay = ml_collections.config_dict.placeholder(float)  # e.g. 0.999: also keep an
+                                     # exponential moving average of the weights and BatchNorm statistics,
+                                     # evaluated beside them (test_accuracy_ema); None = off
     config.train.nonfinite = "stop"  # a non-finite loss: 'stop' (keep the last checkpoint) | 'skip' the step
     config.train.compilation_cache = "~/.cache/jaxtrain/xla"  # JAX's persistent compilation cache; '' = off
 
@@ -98,6 +101,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.every_steps = 0   # > 0: save every this many steps (overrides every_epochs)
     config.checkpoint.every_epochs = 1  # save at the end of every this many epochs; 0 = only at the end
     config.checkpoint.keep = 3          # newest checkpoints kept
+    config.checkpoint.best_metric = ""  # 'test_accuracy' | 'test_loss': also keep the best checkpoints by it
+                                        # (a checkpoint at every evaluation; resume still takes the newest)
+    config.checkpoint.best_mode = "auto"  # 'max' | 'min' | 'auto' (max for accuracy, min for loss)
+    config.checkpoint.keep_best = 1     # best checkpoints kept, besides the newest `keep`
     config.checkpoint.allow_recipe_change = False  # True: resume even though the recipe changed
                                         # (model, optimizer, data, ...); the run is then no longer exact
 

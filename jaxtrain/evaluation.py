@@ -13,7 +13,23 @@ from jaxtrain import checkpoint, defaults, parallel, prepare, replicas, train, x
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
     """--mode=eval: restores the newest checkpoint (or checkpoint_path: a step number of
     workdir's, or a step directory) and evaluates it. A missing checkpoint is reported
-    before the data is loaded."""
+    before the data is loaded. checkpoint_path='best': the best checkpoint by the run's
+    checkpoint.best_metric."""
+    best = checkpoint.best_policy(config.checkpoint)
+    if checkpoint_path == "best":
+        if not checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)):
+            raise checkpoint.CheckpointError(
+                f"--checkpoint=best: no checkpoint in {checkpoint.checkpoint_dir(workdir)}")
+        if best is None:
+            raise checkpoint.CheckpointError(
+                "--checkpoint=best: this run kept no best checkpoint (it trained with "
+                "checkpoint.best_metric='')")
+        manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False,
+                                            best=best)
+        try:
+            checkpoint_path = str(checkpoint.best_step(manager))
+        finally:
+            manager.close()
     if checkpoint_path and checkpoint_path.strip().isdigit():
         directory, step = checkpoint.checkpoint_dir(workdir), int(checkpoint_path)
     elif checkpoint_path:

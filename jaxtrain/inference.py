@@ -39,20 +39,34 @@ class Classifier:
 
 
 def restore(workdir: str, step: int | None = None, tta: str | None = None,
-            model=None, replica: int | None = None) -> Classifier:
+            model=None, replica: int | None = None, which: str = "latest",
+            weights: str = "raw") -> Classifier:
     """The newest (or the given) checkpoint of the run in `workdir`, ready to classify.
 
     Needs no data: the normalisation and class names are stored in the checkpoint.
     `model`: the Flax module instance a run was trained on through
     train_and_evaluate(model=...) (a model.name is rebuilt, or imported, by itself).
     `replica`: which replica of a train.replicas or sweep run (default: the one with
-    the best test accuracy at that checkpoint's last evaluation).
+    the best test accuracy at that checkpoint's last evaluation). which='best': the
+    best checkpoint by the run's checkpoint.best_metric instead of the newest.
+    weights='ema': the moving average of the weights a train.ema_decay run kept.
     """
+    if which not in ("latest", "best"):
+        raise ValueError(f"which={which!r}: must be 'latest' or 'best'")
+    if weights not in ("raw", "ema"):
+        raise ValueError(f"weights={weights!r}: must be 'raw' or 'ema'")
     with open(os.path.join(workdir, checkpoint.CONFIG_FILE)) as f:
         config = ml_collections.ConfigDict(json.load(f))
     xla_cache.enable(config.get("train", {}).get("compilation_cache", xla_cache.DEFAULT))
-    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False)
+    best = checkpoint.best_policy(config.get("checkpoint", {}))
+    if which == "best" and best is None:
+        raise ValueError(f"which='best': the run in {workdir} kept no best checkpoint (it "
+                         "trained with checkpoint.best_metric='')")
+    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False,
+                                        best=best)
     try:
+        if which == "best":
+            step = checkpoint.best_step(manager)
         meta = checkpoint.read_meta(manager, step)
         if model is not None:
             model = user_model.from_instance(model)
@@ -70,11 +84,17 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         key = jax.random.split(jax.random.key(0), len(runs)) if runs else jax.random.key(0)
         abstract = jax.eval_shape(functools.partial(
             train.create_train_state, model=model, tx=tx, image_shape=tuple(meta["image_shape"]),
-            hyperparams=replicas.hyperparams(runs), replicas=runs is not None), key)
+            hyperparams=replicas.hyperparams(runs), replicas=runs is not None,
+            ema=config.train.get("ema_decay") is not None), key)
         state, _, meta = checkpoint.restore(manager, checkpoint.restore_target(abstract, device),
                                             key, meta["step"])
     finally:
         manager.close()
+    if weights == "ema":
+        if state.ema is None:
+            raise ValueError(f"weights='ema': the run in {workdir} kept no moving average "
+                             "(it trained with train.ema_decay=None)")
+        state = train.ema_weights(state)
     if runs is not None:
         replica = replicas.best_replica(meta) if replica is None else replica
         state = replicas.take(state, replica)

@@ -122,9 +122,9 @@ class Session:
         return chunk_rows(chunk.metrics["per_step"], chunk.previous, ends, self.setup,
                           self.train_seconds, chunk.seconds, chunk.wait, self.schedules)
 
-    def save(self) -> None:
+    def save(self, metrics: dict | None = None) -> None:
         save(self.manager, self.setup, self.config, self.state, self.data_key, self.stream,
-             self.train_seconds, self.eval_seconds, self.test_metrics)
+             self.train_seconds, self.eval_seconds, self.test_metrics, metrics)
 
     def ask_to_stop(self, reason: str) -> None:
         """A callback's StopTraining: the first reason is kept (actions.Stops acts on it)."""
@@ -161,7 +161,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
     streaming = run.placement == "stream"
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
-                                        stream=streaming)
+                                        stream=streaming,
+                                        best=checkpoint.best_policy(config.checkpoint))
     parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
     target = (checkpoint.restore_target(run.state, prepare.state_sharding(run)) if resuming
               else run.state)
@@ -279,6 +280,8 @@ def summarize(session: Session) -> dict:
         "dataset": run.dataset.origin,
         "config": config.to_dict(),
     }
+    for name, value in test_metrics.items():  # train.ema_decay: test_accuracy_ema, ...
+        summary.setdefault(f"test_{name}", value)
     if replica_results is not None:
         summary.update(replica_results)
         summary["images_per_second_per_replica"] = summary["images_per_second"] / copies
@@ -354,7 +357,7 @@ def chunk_rows(per_step: dict, previous: int, ends: list, run: prepare.Setup,
 
 
 def save(manager, run: prepare.Setup, config, state, data_key, stream, train_seconds: float,
-         eval_seconds: float, test_metrics=None) -> None:
+         eval_seconds: float, test_metrics=None, metrics=None) -> None:
     """Starts saving a checkpoint of `state`, with the stream's position when streaming.
     A replicated run's records its replicas and their last test accuracies (what
     jaxtrain.restore picks the best replica by)."""
@@ -365,7 +368,7 @@ def save(manager, run: prepare.Setup, config, state, data_key, stream, train_sec
             meta["replica_test_accuracy"] = test_metrics["accuracy"]
     if stream is not None:
         meta["input"], input_state = stream.checkpoint()
-    checkpoint.save(manager, state, data_key, meta, input_state)
+    checkpoint.save(manager, state, data_key, meta, input_state, metrics)
 
 
 def print_now(line: str) -> None:

@@ -100,7 +100,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     init = functools.partial(train.create_train_state, model=model, tx=tx,
                              image_shape=dataset.image_shape, sharding=sharding,
                              stem_kernel=stem_kernel, hyperparams=replicas.hyperparams(runs),
-                             replicas=runs is not None)
+                             replicas=runs is not None,
+                             ema=config.train.get("ema_decay") is not None)
     state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
     copies = f"{len(runs)} replicas of " if runs else ""
     lap("build", f"built {copies}{config.model.name} ({param_count(state.params, runs):,} "
@@ -237,7 +238,8 @@ def step_arguments(config, run: Setup) -> dict:
                 augment_kwargs=augment.device_kwargs(config.augment),
                 num_classes=run.dataset.num_classes,
                 label_smoothing=config.train.label_smoothing,
-                skip_nonfinite=config.train.nonfinite == "skip")
+                skip_nonfinite=config.train.nonfinite == "skip",
+                ema_decay=config.train.get("ema_decay"))
 
 
 def tta_image_count(fraction: float, num_images: int):

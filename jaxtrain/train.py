@@ -23,6 +23,12 @@ from jaxtrain import augment, input, models
 
 class TrainState(train_state.TrainState):
     batch_stats: Any = None
+    ema: Any = None  # train.ema_decay: {"params", "batch_stats"} averaged over the steps
+
+
+def ema_weights(state) -> "TrainState":
+    """`state` with its exponential moving averages as its weights (to evaluate them)."""
+    return state.replace(params=state.ema["params"], batch_stats=state.ema["batch_stats"])
 
 
 def normalize(images, mean, std):
@@ -32,11 +38,12 @@ def normalize(images, mean, std):
 
 
 def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=None,
-                       hyperparams=None, replicas: bool = False) -> TrainState:
+                       hyperparams=None, replicas: bool = False, ema: bool = False) -> TrainState:
     """Initial parameters and optimiser state, placed by `sharding` (e.g. replicated);
     `stem_kernel` replaces the initial stem weights (a whitened stem). With `replicas`,
     `key` has a leading axis and one state per key is made (jax.vmap); `hyperparams`
-    ({name: (R,) values}) then set each one's swept optimiser values (replicas.py)."""
+    ({name: (R,) values}) then set each one's swept optimiser values (replicas.py).
+    `ema`: the state also holds a moving average of the weights, starting at them."""
     def init(key, hyperparams):
         variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
         params = variables["params"]
@@ -47,6 +54,9 @@ def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=N
         if hyperparams:
             injected = dict(state.opt_state.hyperparams, **hyperparams)
             state = state.replace(opt_state=state.opt_state._replace(hyperparams=injected))
+        if ema:
+            state = state.replace(ema=jax.tree.map(jnp.copy, {
+                "params": state.params, "batch_stats": state.batch_stats}))
         return state
     return jax.jit(jax.vmap(init) if replicas else init, out_shardings=sharding)(key, hyperparams)
 
@@ -67,11 +77,13 @@ def hyperparam(state, name: str, default):
 
 
 def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
-               num_classes, label_smoothing, skip_nonfinite=False):
+               num_classes, label_smoothing, skip_nonfinite=False, ema_decay=None):
     """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
 
     `mirror`: the batch's alternating-flip bits (augment.alternate_flip), else None.
     With skip_nonfinite, a step whose loss is not finite leaves the state as it was.
+    With ema_decay (and a state holding an EMA), the average moves toward the new
+    weights and BatchNorm statistics: ema = decay * ema + (1 - decay) * new.
     """
     augment_key, dropout_key = jax.random.split(key)
     images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
@@ -88,6 +100,10 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
 
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    if ema_decay is not None and state.ema is not None:
+        new_state = new_state.replace(ema=jax.tree.map(
+            lambda average, new: ema_decay * average + (1.0 - ema_decay) * new, state.ema,
+            {"params": new_state.params, "batch_stats": new_state.batch_stats}))
     if skip_nonfinite:
         keep = jnp.isfinite(loss)
         skipped = state.replace(step=state.step + 1,

@@ -279,3 +279,40 @@ def test_sigterm_and_sigint_save_and_exit_with_a_message(long_reference, cifar_b
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from_step"] == stopped_at
     assert summary["params_sha256"] == long_reference["params_sha256"]
+
+
+# ---------------------------------------------------------------- the best checkpoint
+
+def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
+        cifar_batches_dir, cifar_subset, tmp_path):
+    """A constant, high learning rate: the test accuracy peaks before the last step. The
+    run keeps the newest checkpoint and the best by test_accuracy (Orbax's BestN)."""
+    config = small_config(cifar_batches_dir, optimizer__learning_rate=0.3, train__num_steps=80,
+                          checkpoint__every_steps=0, checkpoint__every_epochs=0,
+                          checkpoint__keep=1, checkpoint__best_metric="test_accuracy",
+                          eval__every_steps=10)
+    summary = loop.train_and_evaluate(config, str(tmp_path))
+    points = {r["step"]: r["test_accuracy"] for r in report.read_metrics(str(tmp_path))
+              if "test_accuracy" in r}
+    best = max(points, key=lambda step: (points[step], -step))  # the first of equal ones
+    assert best < 80, points  # the test means something only if the peak is earlier
+    assert summary["best_checkpoint"]["step"] == best
+    assert summary["best_checkpoint"]["test_accuracy"] == points[best]
+    assert steps_saved(tmp_path) == sorted({best, 80})  # the best and the newest
+    restored = jaxtrain.restore(str(tmp_path), which="best")
+    assert restored.step == best
+    labels, _ = restored.predict(cifar_subset["x_test"])
+    assert np.mean(labels == cifar_subset["y_test"]) == pytest.approx(points[best], abs=1e-6)
+    assert jaxtrain.restore(str(tmp_path)).step == 80
+    evaluated = evaluation.evaluate_checkpoint(config, str(tmp_path), "best")  # --checkpoint=best
+    assert evaluated["step"] == best
+    assert evaluated["test_accuracy"] == pytest.approx(points[best], abs=1e-6)
+    # Resuming with more steps starts from the newest, not the best.
+    longer = with_overrides(config, {"train__num_steps": 90})
+    assert loop.train_and_evaluate(longer, str(tmp_path))["resumed_from_step"] == 80
+
+
+def test_which_best_needs_a_best_metric(reference):
+    workdir, _ = reference
+    with pytest.raises(ValueError, match=r"^which='best': the run in .* kept no best checkpoint"):
+        jaxtrain.restore(str(workdir), which="best")

@@ -450,3 +450,82 @@ def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup,
     want = optax.softmax_cross_entropy_with_integer_labels(mixed, labels)[valid].mean()
     assert loss == pytest.approx(float(want), rel=1e-5)
     assert accuracy == pytest.approx(float(np.mean(mixed.argmax(-1)[valid] == labels[valid])))
+
+
+# ---------------------------------------------------------------- weight EMA
+
+def ema_config(data_dir, **overrides):
+    """A BatchNorm MLP, float32, a checkpoint every step (its parameter history)."""
+    config = cifar_seed_cnn.get_config()
+    config.data.dir = str(data_dir)
+    config.data.source = "files"
+    config.model.name = "mlp"
+    config.model.batch_norm = True
+    config.model.hidden_sizes = (32,)
+    config.optimizer.learning_rate = 0.05
+    config.train.batch_size = 100
+    config.train.num_steps = 10
+    config.train.precision = "float32"
+    config.checkpoint.every_steps = 1
+    config.checkpoint.keep = 10
+    config.eval.every_epochs = 0
+    config.eval.batch_size = 250
+    return with_overrides(config, overrides)
+
+
+def checkpoint_tree(workdir, step):
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer().restore(
+        os.path.join(workdir, "checkpoints", str(step), "state"))
+
+
+def test_the_ema_is_a_numpy_ema_of_the_parameter_history(cifar_batches_dir, tmp_path):
+    decay = 0.7
+    config = ema_config(cifar_batches_dir, train__ema_decay=decay)
+    summary = loop.train_and_evaluate(config, str(tmp_path))
+    initial = prepare.setup(config).state  # the same seed: the weights before step 1
+    expected = jax.tree.map(np.asarray, {"params": initial.params,
+                                         "batch_stats": initial.batch_stats})
+    for step in range(1, 11):
+        saved = checkpoint_tree(str(tmp_path), step)
+        expected = jax.tree.map(lambda e, new: decay * e + (1 - decay) * np.asarray(new),
+                                expected, {"params": saved["params"],
+                                           "batch_stats": saved["batch_stats"]})
+    final = checkpoint_tree(str(tmp_path), 10)["ema"]
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6),
+                 final, expected)
+    # Evaluated beside the raw weights, and restored on request.
+    assert summary["test_accuracy_ema"] != summary["test_accuracy"]
+    row = report.read_metrics(str(tmp_path))[-1]
+    assert row["test_accuracy_ema"] == summary["test_accuracy_ema"]
+    ema = jaxtrain.restore(str(tmp_path), weights="ema")
+    np.testing.assert_array_equal(ema.state.params["Dense_0"]["kernel"],
+                                  final["params"]["Dense_0"]["kernel"])
+    assert not np.array_equal(ema.state.params["Dense_0"]["kernel"],
+                              jaxtrain.restore(str(tmp_path)).state.params["Dense_0"]["kernel"])
+
+
+def test_an_ema_of_decay_zero_is_the_weights_and_resume_stays_exact(cifar_batches_dir,
+                                                                     tmp_path):
+    zero = loop.train_and_evaluate(ema_config(cifar_batches_dir, train__ema_decay=0.0),
+                                   str(tmp_path / "zero"))
+    tree = checkpoint_tree(str(tmp_path / "zero"), 10)
+    jax.tree.map(np.testing.assert_array_equal, tree["ema"],
+                 {"params": tree["params"], "batch_stats": tree["batch_stats"]})
+    assert zero["test_accuracy_ema"] == zero["test_accuracy"]
+    # Five steps, then resumed to ten: the raw weights and the EMA of the run in one go.
+    whole = ema_config(cifar_batches_dir, train__ema_decay=0.9)
+    loop.train_and_evaluate(whole, str(tmp_path / "whole"))
+    loop.train_and_evaluate(with_overrides(ema_config(cifar_batches_dir, train__ema_decay=0.9),
+                                           {"train__num_steps": 5}), str(tmp_path / "parts"))
+    resumed = loop.train_and_evaluate(whole, str(tmp_path / "parts"))
+    assert resumed["resumed_from_step"] == 5
+    jax.tree.map(np.testing.assert_array_equal, checkpoint_tree(str(tmp_path / "parts"), 10),
+                 checkpoint_tree(str(tmp_path / "whole"), 10))
+    loop.train_and_evaluate(ema_config(cifar_batches_dir, train__num_steps=1),
+                            str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match=r"weights='ema': the run in .* kept no moving average"):
+        jaxtrain.restore(str(tmp_path / "plain"), weights="ema")
+    with pytest.raises(ValueError, match=r"^weights='emma': must be 'raw' or 'ema'$"):
+        jaxtrain.restore(str(tmp_path / "zero"), weights="emma")
