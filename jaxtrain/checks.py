@@ -248,7 +248,7 @@ def check_config(config) -> None:
             entry.get("name"), str) and set(entry.keys()) <= {"name", "kwargs"},
             f"callbacks.{name}", entry, "must be jaxtrain.defaults.callback("
             "'package.module:Class' or a built-in's name, **kwargs)")
-        need(not aug.alternate_flip or aug.flip, "augment.alternate_flip", aug.alternate_flip,
+    need(not aug.alternate_flip or aug.flip, "augment.alternate_flip", aug.alternate_flip,
          "needs augment.flip=True")
     if aug.crop != "none":
         need(dc.name == "folder" and dc.placement == "stream", "augment.crop", aug.crop,
