@@ -178,15 +178,17 @@ def create(name: str, spec: str, kwargs: dict):
 
 
 def from_config(config, given=()) -> list:
-    """The run's callbacks: config.callbacks' entries in the order of their names, then
-    those passed from Python."""
+    """The run's callbacks: config.callbacks' entries in the order of their names, the
+    trackers config.logging names (tracking.py), then those passed from Python."""
+    from jaxtrain import tracking
+
     made = []
     for name in config.get("callbacks", {}).keys():
         entry = config.callbacks[name]
         kwargs = entry.get("kwargs", {})
         made.append(create(name, entry.name, dict(kwargs.to_dict() if hasattr(
             kwargs, "to_dict") else kwargs)))
-    return made + list(given)
+    return made + tracking.trackers(config.get("logging", {})) + list(given)
 
 
 def describe(callback) -> str:

@@ -184,6 +184,11 @@ RANGES = {
                                "with train.ema_decay)"),
     "checkpoint.best_mode": (_one_of("auto", "max", "min"), "'auto', 'max' or 'min'"),
     "checkpoint.keep_best": (_at_least(1, True), "an int >= 1"),
+    "logging.mlflow": (lambda v: isinstance(v, str), "'' (off) or an MLflow tracking URI"),
+    "logging.mlflow_experiment": (lambda v: isinstance(v, str) and v != "",
+                                  "an experiment name"),
+    "logging.wandb": (lambda v: isinstance(v, str), "'' (off) or a W&B project name"),
+    "logging.wandb_mode": (_one_of("offline", "online"), "'offline' or 'online'"),
     "eval.batch_size": (_at_least(1, True), "an int >= 1"),
     "eval.tta": (_one_of("none", "flip", "flip_translate"), "'none', 'flip' or 'flip_translate'"),
     "eval.tta_fraction": (_within(0, 1), "in [0, 1]"),
@@ -264,7 +269,7 @@ def check_config(config) -> None:
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
-                     "train.compilation_cache", "callbacks.",
+                     "train.compilation_cache", "callbacks.", "logging.",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
                      "data.workers")
 

@@ -115,6 +115,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.every_epochs = 1     # 0 = only at the end
     config.eval.every_steps = 0      # > 0: also evaluate every this many steps (test points on the curves)
 
+    # Experiment trackers (jaxtrain/tracking.py; optional packages, imported only when set)
+    config.logging = ml_collections.ConfigDict()
+    config.logging.mlflow = ""       # an MLflow tracking URI, e.g. 'sqlite:///runs/mlflow.db'; '' = off
+    config.logging.mlflow_experiment = "jaxtrain"  # the MLflow experiment the run goes into
+    config.logging.wandb = ""        # a Weights & Biases project; '' = off
+    config.logging.wandb_mode = "offline"  # 'offline' (no network; `wandb sync` later) | 'online'
+
     # Callbacks (jaxtrain/callbacks.py): name -> callback('package.module:Class', **kwargs),
     # or a built-in by its name (callback('EarlyStopping', monitor='test_loss', patience=3));
     # made anew for every run (a resume too), called in the order of their names.
