@@ -1,4 +1,4 @@
-"""Your own model: the README's Linen and NNX examples, named in a config or passed in."""
+"""Your own model: docs/models.md's Linen and NNX examples, named in a config or passed in."""
 import re
 import subprocess
 import sys
@@ -16,16 +16,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def readme_example() -> str:
-    """The README's example module (the code block that starts with '# mynets.py')."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    """docs/models.md's example module (the code block that starts with '# mynets.py')."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "models.md").read_text(), re.S)
     found = [b for b in blocks if b.startswith("# mynets.py")]
-    assert len(found) == 1, "README.md must hold one ```python block starting '# mynets.py'"
+    assert len(found) == 1, "docs/models.md must hold one ```python block starting '# mynets.py'"
     return found[0]
 
 
 @pytest.fixture(scope="module")
 def mynets(tmp_path_factory, monkeypatch_module):
-    """The README's example written as mynets.py, importable (sys.path) in this process."""
+    """docs/models.md's example written as mynets.py, importable (sys.path) in this process."""
     folder = tmp_path_factory.mktemp("mynets")
     (folder / "mynets.py").write_text(readme_example())
     monkeypatch_module.syspath_prepend(str(folder))
