@@ -274,6 +274,7 @@ class UserCallbacks(Action):
             process_count=jax.process_count(), checkpoint_dir=s.manager.directory,
             history=history)
         self.call("on_run_start", run)
+        s.clock.lap("write")  # a tracker's start (its store, its run): not training time
 
     def after_chunk(self, chunk):
         if not self.callbacks:

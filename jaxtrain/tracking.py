@@ -77,8 +77,7 @@ class Tracker(Callback):
 
     def on_rows(self, rows):
         if self.active:
-            for row in rows:
-                self.log(row_metrics(row), row["step"])
+            self.log([(row["step"], row_metrics(row)) for row in rows])
 
     def on_run_end(self, summary):
         if self.active:
@@ -118,12 +117,15 @@ class MLflowTracker(Tracker):
             self.run_id = run_id
             self.client.update_run(self.run_id, status="RUNNING")
 
-    def log(self, metrics, step):
+    def log(self, rows):
+        """A chunk's rows in one request (MLflow takes up to 1,000 metrics a batch)."""
         import time
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[
-            self.mlflow.entities.Metric(key, value, now, step) for key, value in metrics.items()])
+        metrics = [self.mlflow.entities.Metric(key, value, now, step)
+                   for step, values in rows for key, value in values.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def end(self, summary):
         workdir = os.path.dirname(self.path)
@@ -153,8 +155,9 @@ class WandbTracker(Tracker):
         if run_id is None:
             self.keep_id(self.run.id)
 
-    def log(self, metrics, step):
-        self.run.log(metrics, step=step)
+    def log(self, rows):
+        for step, metrics in rows:
+            self.run.log(metrics, step=step)
 
     def end(self, summary):
         self.run.summary.update(summary_metrics(summary))
