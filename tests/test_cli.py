@@ -138,7 +138,8 @@ print(json.dumps(results))
 """
 
 
-ANY_VALUE = ("data.dir", "train.compilation_cache", "seed")
+ANY_VALUE = ("data.dir", "train.compilation_cache", "seed", "logging.mlflow", "logging.wandb",
+             "logging.mlflow_experiment")
 
 
 def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
@@ -159,8 +160,8 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
             expected[override] = key
     ranged = {k for k in keys if k in checks.RANGES}
     # A key added without a rule must get one (booleans take any value of their type;
-    # data.dir, train.compilation_cache and seed any string and int; model.name has its
-    # own check).
+    # data.dir, train.compilation_cache, seed and the trackers' URI and project any string
+    # and int; model.name has its own check).
     assert {k for k in keys if not isinstance(checks._value(config, k), bool)} - {
         *ANY_VALUE, "model.name"} <= ranged
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases), MAIN], cwd=REPO,
