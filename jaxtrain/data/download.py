@@ -11,7 +11,9 @@ fashion_mnist into the layout `jaxtrain.data.load` already searches:
 Each file streams into a temporary file beside its final name and is renamed
 into place (atomically) only after its MD5 matches, so a cache never holds a
 partial or corrupt file under a real name. Files already present with the
-right checksum are not fetched again.
+right checksum are not fetched again. `fetch` can check a SHA-256 instead, or a
+hex prefix of one (torchvision names its weight files by the first 8 hex digits
+of their SHA-256, e.g. resnet50-0676ba61.pth); jaxtrain.pretrained uses that.
 
 A mirror (the `mirror` argument or $JAXTRAIN_DOWNLOAD_MIRROR) replaces the
 official URL bases and must serve the cache layout above: a web server over a
@@ -24,6 +26,7 @@ import dataclasses
 import hashlib
 import http.client
 import os
+import re
 import secrets
 import urllib.error
 import urllib.request
@@ -163,14 +166,18 @@ def _fetch_first(urls: list[str], path: str, md5: str, progress: bool, timeout: 
     raise DataError(f'all {len(errors)} sources failed: ' + '; '.join(map(str, errors))) from errors[-1]
 
 
-def fetch(url: str, path: str, md5: str | None = None, *, progress: bool = True,
-          timeout: float = TIMEOUT) -> None:
-    """Stream `url` to `path` via a temp file beside it, check its MD5, then rename into place.
+def fetch(url: str, path: str, md5: str | None = None, *, sha256: str | None = None,
+          progress: bool = True, timeout: float = TIMEOUT) -> dict[str, str]:
+    """Stream `url` to `path` via a temp file beside it, check its digests, then rename into place.
 
-    Raises DataError (message names the URL) on HTTP errors, connection
-    failures, timeouts, truncation or a checksum mismatch; the temp file is
-    removed and `path` is left as it was.
+    md5: the full MD5 hex digest. sha256: the SHA-256 hex digest or a prefix of it
+    of at least 8 digits (what torchvision's file names publish).
+    Returns the hex digests it computed, {'md5': ...} and/or {'sha256': ...} (MD5
+    when neither is given). Raises DataError (message names the URL) on HTTP
+    errors, connection failures, timeouts, truncation or a checksum mismatch;
+    the temp file is removed and `path` is left as it was.
     """
+    expected = _expected_digests(md5, sha256)
     # O_EXCL, a random name: tempfile.mkstemp would do, but makes the file mode 0600,
     # unreadable to others in a shared cache; this one gets the usual 0666 & ~umask.
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
@@ -181,10 +188,14 @@ def fetch(url: str, path: str, md5: str | None = None, *, progress: bool = True,
         raise DataError(f'{tmp}: cannot create file to download {url} into ({e.strerror or e})') from e
     try:
         with os.fdopen(fd, 'wb') as out:
-            actual = _stream(url, out, os.path.basename(path), progress, timeout)
-        if md5 is not None and actual != md5.lower():
-            raise DataError(f'{url}: checksum mismatch, expected md5 {md5.lower()}, got {actual} '
-                            f'(corrupt download or a changed file); nothing was saved')
+            actual = _stream(url, out, os.path.basename(path), progress, timeout,
+                             tuple(expected) or ('md5',))
+        for algorithm, want in expected.items():
+            got = actual[algorithm]
+            if not matches(got, want, prefix=algorithm == 'sha256'):
+                what = algorithm if len(want) == len(got) else f'{algorithm} prefix'
+                raise DataError(f'{url}: checksum mismatch, expected {what} {want}, got {got} '
+                                f'(corrupt download or a changed file); nothing was saved')
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -192,12 +203,32 @@ def fetch(url: str, path: str, md5: str | None = None, *, progress: bool = True,
         except OSError:
             pass
         raise
+    return actual
 
 
-def _stream(url: str, out, label: str, progress: bool, timeout: float) -> str:
-    """Copy url's body into the open file `out`; return its MD5 hex digest."""
+def matches(actual: str, expected: str, prefix: bool = False) -> bool:
+    """Whether hex digest `actual` is `expected` (or, with prefix, starts with it)."""
+    expected = expected.lower()
+    return actual.startswith(expected) if prefix else actual == expected
+
+
+def _expected_digests(md5: str | None, sha256: str | None) -> dict[str, str]:
+    """{algorithm: lower-case hex} of the digests given; a malformed one is a caller's bug."""
+    expected = {}
+    if md5 is not None:
+        expected['md5'] = md5.lower()
+    if sha256 is not None:
+        if not re.fullmatch(r'[0-9a-fA-F]{8,64}', sha256):
+            raise ValueError(f'sha256 must be 8 to 64 hex digits, got {sha256!r}')
+        expected['sha256'] = sha256.lower()
+    return expected
+
+
+def _stream(url: str, out, label: str, progress: bool, timeout: float,
+            algorithms: tuple[str, ...] = ('md5',)) -> dict[str, str]:
+    """Copy url's body into the open file `out`; return {algorithm: hex digest} of it."""
     request = urllib.request.Request(url, headers={'User-Agent': USER_AGENT})
-    digest = hashlib.md5()
+    digests = {name: hashlib.new(name) for name in algorithms}
     received = 0
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -209,7 +240,8 @@ def _stream(url: str, out, label: str, progress: bool, timeout: float) -> str:
                     if not chunk:
                         break
                     out.write(chunk)
-                    digest.update(chunk)
+                    for digest in digests.values():
+                        digest.update(chunk)
                     received += len(chunk)
                     bar.update(len(chunk))
     except urllib.error.HTTPError as e:
@@ -230,7 +262,7 @@ def _stream(url: str, out, label: str, progress: bool, timeout: float) -> str:
                         f'({type(e).__name__}: {_one_line(e)})') from e
     if length is not None and received != length:
         raise DataError(f'{url}: download truncated, got {received} of {length} bytes')
-    return digest.hexdigest()
+    return {name: digest.hexdigest() for name, digest in digests.items()}
 
 
 def _progress_bar(progress: bool, total: int | None, label: str):
@@ -240,7 +272,12 @@ def _progress_bar(progress: bool, total: int | None, label: str):
 
 
 def _md5(path: str) -> str:
-    digest = hashlib.md5()
+    return file_digest(path, 'md5')
+
+
+def file_digest(path: str, algorithm: str = 'sha256') -> str:
+    """Hex digest of a local file, read in chunks (weight files run to hundreds of MB)."""
+    digest = hashlib.new(algorithm)
     with open(path, 'rb') as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
