@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import user_model
+from jaxtrain import user_model, vit
 
 Dtype = Any
 
@@ -43,9 +43,11 @@ class SeedCNN(nn.Module):
     num_classes: int = 10
     batch_norm: bool = False
     dtype: Dtype = jnp.float32
+    freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
 
     @nn.compact
     def __call__(self, x, train: bool = False):
+        train = train and not self.freeze_batch_stats  # BatchNorm is its only train-mode layer
         x = x.astype(self.dtype)
         in_channels = x.shape[-1]
         for features, fan_in in ((6, 25 * in_channels), (16, 25 * 6)):
@@ -166,9 +168,11 @@ class CifarCNN(nn.Module):
     conv_init: str = "default"
     bn_epsilon: float = 1e-5
     head_init_std: float = 0.0
+    freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
 
     @nn.compact
     def __call__(self, x, train: bool = False):
+        train = train and not self.freeze_batch_stats  # BatchNorm is its only train-mode layer
         x = x.astype(self.dtype)
         x = nn.Conv(self.stem_width, (2, 2), padding="VALID", dtype=self.dtype)(x)
         x = activation_fn(self.activation)(x)
@@ -191,6 +195,7 @@ class MLP(nn.Module):
     batch_norm: bool = True
     dropout: float = 0.0
     dtype: Dtype = jnp.float32
+    freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -199,7 +204,8 @@ class MLP(nn.Module):
             x = nn.Dense(features, dtype=self.dtype)(x)
             if self.batch_norm:
                 # momentum 0.9 here is PyTorch's BatchNorm1d default (its momentum=0.1)
-                x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                x = nn.BatchNorm(use_running_average=not train or self.freeze_batch_stats,
+                                 momentum=0.9,
                                  dtype=self.dtype)(x)
             x = nn.relu(x)
             if self.dropout > 0:
@@ -312,9 +318,11 @@ class ResNet(nn.Module):
     stem: str = "auto"
     width: int = 64
     dtype: Dtype = jnp.float32
+    freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
 
     @nn.compact
     def __call__(self, x, train: bool = False):
+        train = train and not self.freeze_batch_stats  # BatchNorm is its only train-mode layer
         stem = resnet_stem(self.stem, x.shape[1:3])
         x = x.astype(self.dtype)
         if stem == "imagenet":
@@ -348,8 +356,12 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
     name = model_config.name
     if user_model.is_user_model(name):
         return user_model.create(model_config, num_classes, dtype)
+    # model.freeze_batch_stats: BatchNorm in inference mode while training too (as torch's
+    # module.eval() on it), so it neither updates nor normalises by batch statistics
+    frozen_statistics = bool(model_config.get("freeze_batch_stats", False))
     if name == "seed_cnn":
-        return SeedCNN(num_classes=num_classes, batch_norm=model_config.batch_norm, dtype=dtype)
+        return SeedCNN(num_classes=num_classes, batch_norm=model_config.batch_norm, dtype=dtype,
+                       freeze_batch_stats=frozen_statistics)
     if name == "cifar_cnn":
         # .get: configs saved before an option existed restore with the old behaviour
         activation = model_config.get("activation", "gelu_tanh")
@@ -366,22 +378,28 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
                         head_scale=model_config.head_scale, dtype=dtype,
                         activation=activation, conv_init=conv_init,
                         bn_epsilon=model_config.get("bn_epsilon", 1e-5),
-                        head_init_std=head_init_std)
+                        head_init_std=head_init_std, freeze_batch_stats=frozen_statistics)
     if name == "mlp":
         return MLP(num_classes=num_classes, hidden_sizes=tuple(model_config.hidden_sizes),
-                   batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype)
+                   batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype,
+                   freeze_batch_stats=frozen_statistics)
     if name in RESNETS:
         stage_sizes, block_cls = RESNETS[name]
         stem = model_config.get("stem", "auto")  # configs saved before model.stem: 'auto'
         stem = resnet_stem(stem, image_shape) if image_shape is not None or stem != "auto" \
             else stem
         return ResNet(stage_sizes=stage_sizes, block_cls=block_cls, num_classes=num_classes,
-                      stem=stem, dtype=dtype)
+                      stem=stem, dtype=dtype, freeze_batch_stats=frozen_statistics)
+    if name in vit.VITS:
+        dim, depth, heads = vit.VITS[name]
+        return vit.ViT(num_classes=num_classes, dim=dim, depth=depth, heads=heads,
+                       dropout=model_config.get("dropout", 0.0),
+                       drop_path=model_config.get("drop_path", 0.0), dtype=dtype)
     raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp, "
-                     + ", ".join(RESNETS))
+                     + ", ".join([*RESNETS, *vit.VITS]))
 
 
-MODEL_NAMES = ("seed_cnn", "cifar_cnn", "mlp", *RESNETS)  # model.name's built-in choices
+MODEL_NAMES = ("seed_cnn", "cifar_cnn", "mlp", *RESNETS, *vit.VITS)  # model.name's built-in choices
 
 STEM_KERNEL = ("Conv_0", "kernel")  # where cifar_cnn keeps its stem's weights
 STEM_INITS = ("default", "whiten")

@@ -156,8 +156,10 @@ def mlp(num_classes: int, image_shape, hidden_sizes=(256, 128, 100), use_batch_n
 
 
 def flax_named(module: nn.Module, path: str) -> nn.Module:
-    """Records the Flax scope of a Conv2d, Linear or BatchNorm ('ResNetBlock_3/Conv_1'), so
-    flax_param_paths and load_flax_variables map it by name and not by position."""
+    """Records the Flax scope of a Conv2d, Linear, BatchNorm or LayerNorm
+    ('ResNetBlock_3/Conv_1'), so flax_param_paths and load_flax_variables map it by
+    name and not by position. A module's own parameters outside any layer (a ViT's
+    cls_token) are recorded in its `flax_raw` dict: {attribute: Flax path}."""
     module.flax_path = path
     return module
 
@@ -248,6 +250,122 @@ def resnet(depth: int, num_classes: int, image_shape, stem: str = "auto") -> Res
     return lecun_normal_(model)  # convs and the head only: the zero BN weights stay
 
 
+def stochastic_depth(x, rate: float, training: bool):
+    """Drops the residual branch of whole samples, the kept ones scaled by 1 / (1 - rate)."""
+    if not training or rate == 0:
+        return x
+    keep = torch.rand(x.shape[0], *(1,) * (x.ndim - 1), device=x.device) >= rate
+    return x * keep.to(x.dtype) / (1 - rate)
+
+
+class ViTAttention(nn.Module):
+    """jaxtrain.vit.Attention: fused qkv, softmax(q k^T / sqrt(head_dim)) v, proj, dropout."""
+
+    def __init__(self, dim: int, heads: int, dropout: float, scope: str):
+        super().__init__()
+        self.heads = heads
+        self.qkv = flax_named(nn.Linear(dim, 3 * dim), f"{scope}/qkv")
+        self.proj = flax_named(nn.Linear(dim, dim), f"{scope}/proj")
+        self.proj_drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        n, tokens, dim = x.shape
+        q, k, v = self.qkv(x).reshape(n, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        weights = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1)
+        x = (weights @ v).transpose(1, 2).reshape(n, tokens, dim)
+        return self.proj_drop(self.proj(x))
+
+
+class ViTMlp(nn.Module):
+    """jaxtrain.vit.Mlp: fc1, exact GELU, dropout, fc2, dropout."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float, scope: str):
+        super().__init__()
+        self.fc1 = flax_named(nn.Linear(dim, hidden), f"{scope}/fc1")
+        self.fc2 = flax_named(nn.Linear(hidden, dim), f"{scope}/fc2")
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(nn.functional.gelu(self.fc1(x)))))
+
+
+class ViTBlock(nn.Module):
+    """jaxtrain.vit.Block: x + attn(norm1(x)), x + mlp(norm2(x)), LayerNorm eps 1e-6,
+    each branch under its own stochastic-depth draw."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float,
+                 drop_path: float, scope: str):
+        super().__init__()
+        self.norm1 = flax_named(nn.LayerNorm(dim, eps=1e-6), f"{scope}/norm1")
+        self.attn = ViTAttention(dim, heads, dropout, f"{scope}/attn")
+        self.norm2 = flax_named(nn.LayerNorm(dim, eps=1e-6), f"{scope}/norm2")
+        self.mlp = ViTMlp(dim, int(dim * mlp_ratio), dropout, f"{scope}/mlp")
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + stochastic_depth(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + stochastic_depth(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class ViTPatchEmbed(nn.Module):
+    """One strided conv over non-overlapping patches: NCHW -> (N, tokens, dim), row-major."""
+
+    def __init__(self, channels: int, dim: int, patch_size: int):
+        super().__init__()
+        self.proj = flax_named(nn.Conv2d(channels, dim, patch_size, patch_size),
+                               "patch_embed/proj")
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class ViT(nn.Module):
+    """The twin of jaxtrain.vit.ViT, with timm's module names (its state_dict keys are
+    timm's): patch conv, class token and position embeddings (raw parameters,
+    flax_raw), blocks, final LayerNorm, head on the class token; float32 logits."""
+
+    def __init__(self, num_classes: int, image_shape, dim: int, depth: int, heads: int,
+                 patch_size: int = 16, mlp_ratio: float = 4, dropout: float = 0.0,
+                 drop_path: float = 0.0):
+        super().__init__()
+        height, width, channels = image_shape
+        if height % patch_size or width % patch_size:
+            raise ValueError(f"ViT: image size {height}x{width} is not a multiple of the "
+                             f"patch size {patch_size}")
+        self.patch_embed = ViTPatchEmbed(channels, dim, patch_size)
+        tokens = (height // patch_size) * (width // patch_size)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 1e-6)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + tokens, dim) * 0.02)
+        self.flax_raw = {"cls_token": "cls_token", "pos_embed": "pos_embed"}
+        rates = torch.linspace(0, drop_path, depth).tolist()
+        self.blocks = nn.Sequential(*[ViTBlock(dim, heads, mlp_ratio, dropout, rates[i],
+                                               f"blocks_{i}") for i in range(depth)])
+        self.norm = flax_named(nn.LayerNorm(dim, eps=1e-6), "norm")
+        self.head = flax_named(nn.Linear(dim, num_classes), "head")
+        for layer in self.modules():  # timm's (and jaxtrain.vit's) init; the conv keeps torch's
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=0.02)
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = self.norm(self.blocks(x))
+        return self.head(x[:, 0]).float()
+
+
+# jaxtrain.vit.VITS (dim, depth, heads), repeated so importing this module needs no Flax
+VITS = {"vit_tiny": (192, 12, 3), "vit_small": (384, 12, 6), "vit_base": (768, 12, 12)}
+
+
+def vit(name: str, num_classes: int, image_shape, dropout: float = 0.0,
+        drop_path: float = 0.0) -> ViT:
+    """vit_tiny, vit_small or vit_base (jaxtrain.vit.VITS) for images of image_shape."""
+    dim, depth, heads = VITS[name]
+    return ViT(num_classes, image_shape, dim, depth, heads, dropout=dropout,
+               drop_path=drop_path)
+
+
 def create_model(model_config, num_classes: int, image_shape) -> nn.Module:
     """The twin of jaxtrain.models.create_model; image_shape is (H, W, C), inputs are NCHW."""
     name = model_config.name
@@ -267,8 +385,27 @@ def create_model(model_config, num_classes: int, image_shape) -> nn.Module:
     if name in ("resnet18", "resnet34", "resnet50"):
         return resnet(int(name[len("resnet"):]), num_classes, image_shape,
                       model_config.get("stem", "auto"))
+    if name in VITS:
+        return vit(name, num_classes, image_shape, model_config.get("dropout", 0.0),
+                   model_config.get("drop_path", 0.0))
     raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp, "
-                     "resnet18, resnet34, resnet50")
+                     "resnet18, resnet34, resnet50, " + ", ".join(VITS))
+
+
+def freeze_batch_norm(model: nn.Module) -> nn.Module:
+    """model.freeze_batch_stats for a twin: its BatchNorm layers stay in eval mode (running
+    statistics, never updated) whatever model.train() is called with."""
+    train = model.train
+
+    def train_with_frozen_statistics(mode: bool = True):
+        train(mode)
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+        return model
+
+    model.train = train_with_frozen_statistics
+    return model.train(model.training)
 
 
 def count_params(model: nn.Module) -> int:
@@ -330,6 +467,12 @@ def flax_named_layers(model: nn.Module) -> list:
     return [(layer, layer.flax_path) for layer in model.modules() if hasattr(layer, "flax_path")]
 
 
+def flax_raw_params(model: nn.Module) -> list:
+    """(parameter, Flax path) for the parameters modules list in their `flax_raw`."""
+    return [(getattr(module, name), path) for module in model.modules()
+            for name, path in getattr(module, "flax_raw", {}).items()]
+
+
 def _scope(tree, path: str):
     for name in path.split("/"):
         tree = tree[name]
@@ -352,6 +495,8 @@ def _copy_named(named, params, stats):
                                else torch.ones_like(layer.weight))
             layer.running_mean.copy_(_tensor(s["mean"]))
             layer.running_var.copy_(_tensor(s["var"]))
+        elif isinstance(layer, nn.LayerNorm):
+            layer.weight.copy_(_tensor(p["scale"]))
         else:
             raise TypeError(f"{path}: no Flax counterpart for {type(layer).__name__}")
         if layer.bias is not None:
@@ -363,11 +508,11 @@ def flax_param_paths(sequential: nn.Sequential, prefix: str = "") -> dict:
     parameter: the names optimizer.groups' regular expressions match, in the Flax
     order _copy follows. Frozen weights with a Flax counterpart (a whitened stem)
     are in; a BatchNorm weight frozen at 1 (Flax's use_scale=False) has none.
-    A twin whose layers record their Flax paths (flax_named: the ResNet) is mapped
-    by those, in module order."""
+    A twin whose layers record their Flax paths (flax_named: the ResNet, the ViT) is
+    mapped by those, in module order, after its raw parameters (flax_raw)."""
     named = flax_named_layers(sequential)
     if named:
-        paths = {}
+        paths = {param: f"{prefix}{name}" for param, name in flax_raw_params(sequential)}
         for layer, name in named:
             weight = "kernel" if isinstance(layer, (nn.Conv2d, nn.Linear)) else \
                 "scale" if layer.weight.requires_grad else None
@@ -409,6 +554,9 @@ def load_flax_variables(model: nn.Sequential, variables, image_shape) -> nn.Sequ
     named = flax_named_layers(model)
     if named:
         _copy_named(named, variables["params"], variables.get("batch_stats", {}))
+        with torch.no_grad():
+            for param, path in flax_raw_params(model):
+                param.copy_(_tensor(_scope(variables["params"], path)))
         return model
     training = model.training
     model.eval()  # the dummy batch must not touch the BatchNorm statistics

@@ -139,7 +139,7 @@ print(json.dumps(results))
 
 
 ANY_VALUE = ("data.dir", "train.compilation_cache", "seed", "logging.mlflow", "logging.wandb",
-             "logging.mlflow_experiment")
+             "logging.mlflow_experiment", "model.init_from", "model.init_from_exclude")
 
 
 def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
@@ -191,7 +191,8 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
      "(e.g. --config=configs/cifar.py)"),
     (("--config=configs/cifar.py", "--config.model.name=resnet999"),
      "config.model.name='resnet999': unknown model (did you mean 'resnet50'? one of seed_cnn, "
-     "cifar_cnn, mlp, resnet18, resnet34, resnet50, or 'package.module:Class' for your own)"),
+     "cifar_cnn, mlp, resnet18, resnet34, resnet50, vit_tiny, vit_small, vit_base, or "
+     "'package.module:Class' for your own)"),
     (("--config=configs/cifar.py", "--config.optimizer.momentum=1.5"),
      "config.optimizer.momentum=1.5: must be in [0, 1)"),
     (("--config=configs/cifar.py", "--config.augment.rotate=-5"),
