@@ -2,6 +2,8 @@
 
 They work on uint8 batches (N, H, W, C) before normalisation, so the gathers
 move bytes, not floats, and run inside the compiled epoch with no host work.
+MixUp and CutMix (mix_batch) come after normalisation instead: their blends and
+soft targets are floats.
 """
 import jax
 import jax.numpy as jnp
@@ -130,6 +132,72 @@ def device_kwargs(augment_config) -> dict:
     if augment_config.get("crop", "none") != "none":
         kwargs.update(flip=False, alternate_flip=False)
     return kwargs
+
+
+# fold_in data for a step's MixUp/CutMix key (train.train_step): the step key's split
+# into (augment, dropout) keys stays as it was, so a run that does not mix is unchanged.
+MIX_STREAM = 0x4D495820  # "MIX "
+MIX_KEYS = ("mixup", "cutmix", "mix_prob", "switch_prob")
+
+
+def mix_kwargs(augment_config) -> dict:
+    """The `augment` block's batch-mixing part, as mix_batch's keyword arguments: it works
+    on the normalised batch and its targets, so it is not augment_batch's."""
+    return {key: augment_config[key] for key in MIX_KEYS}
+
+
+def cutmix_box(key, height: int, width: int, lam):
+    """CutMix's box (top, bottom, left, right) for mixing weight `lam`: sides sqrt(1 - lam)
+    of the image's, a uniform centre, clipped to the image (so it may cover less)."""
+    ratio = jnp.sqrt(1.0 - lam)
+    cut_h = jnp.floor(height * ratio).astype(jnp.int32)
+    cut_w = jnp.floor(width * ratio).astype(jnp.int32)
+    cy, cx = jax.random.randint(key, (2,), 0, jnp.array([height, width]))
+    return (jnp.clip(cy - cut_h // 2, 0, height), jnp.clip(cy + (cut_h + 1) // 2, 0, height),
+            jnp.clip(cx - cut_w // 2, 0, width), jnp.clip(cx + (cut_w + 1) // 2, 0, width))
+
+
+def box_mask(height: int, width: int, box):
+    """(height, width) bools: True inside box = (top, bottom, left, right), ends excluded."""
+    top, bottom, left, right = box
+    rows = jnp.arange(height)[:, None]
+    cols = jnp.arange(width)[None, :]
+    return (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
+
+
+def mix_batch(images, targets, key, *, mixup: float = 0.0, cutmix: float = 0.0,
+              mix_prob: float = 1.0, switch_prob: float = 0.5):
+    """MixUp or CutMix of a batch with itself reversed (image i with image B-1-i), one
+    mixing weight lam for the whole batch (timm's Mixup, mode='batch'); the targets
+    become lam * targets + (1 - lam) * reversed targets.
+
+    `images`: normalised floats (blends are not rounded to bytes); `targets`: (B, K)
+    floats. A share mix_prob of batches is mixed; with both alphas set, a share
+    switch_prob of those by CutMix, whose lam is then the share of each image left
+    uncovered by the (clipped) box. Both alphas 0: the same arrays, untouched.
+    """
+    if not mixup and not cutmix:
+        return images, targets
+    gate_key, switch_key, lam_key, box_key = jax.random.split(key, 4)
+    mixed = jax.random.uniform(gate_key) < mix_prob
+    if mixup and cutmix:
+        use_cutmix = jax.random.uniform(switch_key) < switch_prob
+        alpha = jnp.where(use_cutmix, cutmix, mixup)
+    else:
+        use_cutmix, alpha = jnp.asarray(bool(cutmix)), cutmix or mixup
+    lam = jax.random.beta(lam_key, alpha, alpha)
+    height, width = images.shape[1:3]
+    box = cutmix_box(box_key, height, width, lam)
+    area = ((box[1] - box[0]) * (box[3] - box[2])).astype(jnp.float32)
+    lam = jnp.where(mixed, jnp.where(use_cutmix, 1.0 - area / (height * width), lam), 1.0)
+
+    partner = images[::-1]
+    weight = lam.astype(images.dtype)
+    cut = jnp.where(box_mask(height, width, box)[None, :, :, None], partner, images)
+    blended = weight * images + (1 - weight) * partner
+    images = jnp.where(mixed, jnp.where(use_cutmix, cut, blended), images)
+    weight = lam.astype(targets.dtype)  # lam = 1 when not mixed: the targets as they were
+    return images, weight * targets + (1 - weight) * targets[::-1]
 
 
 def augment_batch(images, key, *, flip: bool = False, alternate_flip: bool = False,
