@@ -93,6 +93,14 @@ def _within(low, high, open_high=False):
     return lambda v: _number(v) and low <= v and (v < high if open_high else v <= high)
 
 
+def _regex(v) -> bool:
+    import re
+    try:
+        return isinstance(v, str) and (v == "" or re.compile(v) is not None)
+    except re.error:
+        return False
+
+
 def _one_of(*choices):
     return lambda v: v in choices
 
@@ -130,6 +138,9 @@ RANGES = {
     "model.stem": (_one_of(*models.RESNET_STEMS), "one of " + ", ".join(models.RESNET_STEMS)),
     "model.hidden_sizes": (_sizes, "a tuple of positive layer sizes, e.g. (256, 128)"),
     "model.dropout": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "model.drop_path": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "model.init_from_exclude": (_regex, "'' or a regular expression on the '/'-joined "
+                                        "parameter paths, e.g. 'Dense_0/.*'"),
     "model.widths": (_sizes, "a tuple of positive channel counts, e.g. (64, 256, 256)"),
     "model.stem_width": (_at_least(1, True), "an int >= 1"),
     "model.stem_init": (_one_of(*models.STEM_INITS), "one of " + ", ".join(models.STEM_INITS)),
@@ -159,6 +170,10 @@ RANGES = {
     "augment.pad_mode": (_one_of("reflect", "constant"), "'reflect' or 'constant'"),
     "augment.rotate": (_within(0, 180), "in [0, 180] (degrees)"),
     "augment.cutout": (_at_least(0, True), "an int >= 0 (pixels; 0: off)"),
+    "augment.mixup": (_at_least(0), ">= 0 (Beta(alpha, alpha)'s alpha; 0: off)"),
+    "augment.cutmix": (_at_least(0), ">= 0 (Beta(alpha, alpha)'s alpha; 0: off)"),
+    "augment.mix_prob": (_within(0, 1), "in [0, 1] (the share of batches mixed)"),
+    "augment.switch_prob": (_within(0, 1), "in [0, 1] (the share of mixed batches cut)"),
     "augment.crop": (_one_of(*augment.HOST_CROPS), "one of " + ", ".join(augment.HOST_CROPS)),
     "augment.crop_scale": (_pair(0, 1), "(low, high) with 0 < low <= high <= 1"),
     "augment.crop_ratio": (_pair(0, float("inf")), "(low, high) with 0 < low <= high"),
@@ -202,7 +217,8 @@ RANGES.update({f"sweep.{key}": ((lambda works: lambda v: isinstance(v, tuple) an
 # A parameter group's own settings take the top-level optimizer key's values.
 GROUP_RANGES = {"lr_scale": (_at_least(0), ">= 0"),
                 "train_steps": (_at_least(0, True), "an int >= 0 (0: every step)"),
-                "params": (lambda v: isinstance(v, str) and v != "", "a regular expression")}
+                "params": (lambda v: isinstance(v, str) and v != "", "a regular expression"),
+                "freeze": (lambda v: isinstance(v, bool), "True (never updated) or False")}
 
 
 def _value(config, key):

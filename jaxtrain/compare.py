@@ -78,21 +78,30 @@ def torch_unsupported(config) -> list[str]:
         found.append(f"optimizer.lookahead_steps={config.optimizer.lookahead_steps!r}")
     if config.augment.crop != "none":
         found.append(f"augment.crop={config.augment.crop!r}")
+    for key in ("mixup", "cutmix"):
+        if config.augment[key]:
+            found.append(f"augment.{key}={config.augment[key]!r}")
     if config.data.placement == "stream":
         found.append("data.placement='stream' (the twins train from arrays in memory)")
     return found
 
 
-def torch_recipe(config, dataset, device, total_steps: int, stem_kernel=None):
+def torch_recipe(config, dataset, device, total_steps: int, stem_kernel=None, initial=None):
     """The twin model (seeded by config.seed), its optimisers (torch_optim, with the
     learning rates of total_steps steps) and the loss; `stem_kernel` (prepare.setup's,
-    for a whitened stem) fixes the stem's weights."""
+    for a whitened stem) fixes the stem's weights. `initial` ({'params', 'batch_stats'}:
+    jaxtrain's starting variables, model.init_from's weights with its fresh head) are
+    the twin's starting weights too, so both sides fine-tune the same network."""
     import torch
 
     from jaxtrain import torch_models, torch_optim
 
     torch.manual_seed(config.seed)
     model = torch_models.create_model(config.model, dataset.num_classes, dataset.image_shape)
+    if initial is not None:
+        torch_models.load_flax_variables(model, jax.device_get(initial), dataset.image_shape)
+    if config.model.get("freeze_batch_stats", False):
+        torch_models.freeze_batch_norm(model)
     if stem_kernel is not None:
         # jaxtrain's fixed whitening stem (prepare.setup's; HWIO -> OIHW), never trained
         stem = model[0]
@@ -254,7 +263,8 @@ class Progress:
                 "curve": self.curve}
 
 
-def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=None) -> dict:
+def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=None,
+                      initial=None) -> dict:
     """The seed article's way: per-sample transforms in 2 DataLoader workers
     (shuffle, drop_last: as many examples as jaxtrain sees), float32, loss.item()
     every step."""
@@ -265,7 +275,7 @@ def run_torch_article(config, dataset, mean, std, total_steps: int, stem_kernel=
     start = time.perf_counter()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model, optimizer, criterion = torch_recipe(config, dataset, device, total_steps,
-                                               stem_kernel)
+                                               stem_kernel, initial)
     batch_size = config.train.batch_size
     transform = functools.partial(torch_models.article_transform,
                                   augment=augment_lib.device_kwargs(config.augment), mean=mean,
@@ -314,7 +324,8 @@ def check_torch_device(jax_backend: str, torch_has_cuda: bool, torch_version: st
 
 
 def run_torch_fast(config, dataset, mean, std, total_steps: int,
-                   torch_compile=None, stem_kernel=None, compile_mode: str = "default") -> dict:
+                   torch_compile=None, stem_kernel=None, compile_mode: str = "default",
+                   initial=None) -> dict:
     """The same recipe as fast as we can write it: uint8 data resident on the device,
     a torch.randperm order per epoch, each batch gathered and augmented there in one
     go, channels_last, bfloat16 autocast when config.train.precision says so, no host
@@ -330,7 +341,7 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     model, optimizer, criterion = torch_recipe(config, dataset, device, total_steps,
-                                               stem_kernel)
+                                               stem_kernel, initial)
     flips = first_epoch_flips(config, len(dataset.x_train))
     flips = None if flips is None else flips.to(device)
     model = model.to(memory_format=torch.channels_last)
@@ -485,6 +496,9 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
         raise CompareError(f"this run streams its data ({setup.placement_reason}); the PyTorch "
                            "twins train from arrays in memory: run --frameworks=jax")
     dataset, mean, std, total_steps = setup.dataset, setup.mean, setup.std, setup.total_steps
+    # model.init_from: the twins start from jaxtrain's starting weights (the same head too)
+    initial = ({"params": setup.state.params, "batch_stats": setup.state.batch_stats}
+               if config.model.get("init_from") else None)
     param_count = models.count_params(setup.state.params)
     print(f"{config.model.name}: {param_count:,} parameters in jaxtrain; {total_steps} steps "
           f"of batch {config.train.batch_size} on {dataset.origin}", flush=True)
@@ -501,10 +515,10 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
             result = run_jax(config, workdir)
         elif framework == "torch_article":
             result = run_torch_article(config, dataset, mean, std, total_steps,
-                                       setup.stem_kernel)
+                                       setup.stem_kernel, initial)
         else:
             result = run_torch_fast(config, dataset, mean, std, total_steps, torch_compile,
-                                    setup.stem_kernel, torch_compile_mode)
+                                    setup.stem_kernel, torch_compile_mode, initial)
         print(f"{framework}: {result['param_count']:,} parameters", flush=True)
         if result["param_count"] != param_count:
             raise CompareError(f"{framework} trained {result['param_count']:,} parameters, "

@@ -30,11 +30,19 @@ def get_config() -> ml_collections.ConfigDict:
     config.data.std = ()
 
     config.model = ml_collections.ConfigDict()
-    config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn' | 'mlp'
+    config.model.name = "cifar_cnn"  # 'seed_cnn' | 'cifar_cnn' | 'mlp' | 'resnet18' | 'resnet34' | 'resnet50' | 'vit_tiny' | 'vit_small' | 'vit_base'
+    config.model.init_from = ""      # starting weights, read at step 0 only: a jaxtrain workdir or checkpoint step folder,
+                                     # a PyTorch state_dict (.pth/.pt) or .safetensors file, or a name ('torchvision:resnet50',
+                                     # 'timm:vit_small_patch16_224.augreg_in21k_ft_in1k'); tensors of another shape (the head) are
+                                     # re-initialised; '' = random init
+    config.model.init_from_exclude = ""  # a regular expression: the '/'-joined paths ('Dense_0/.*') that keep their
+                                     # fresh init whatever the weights hold (a new head for as many new classes)
+    config.model.freeze_batch_stats = False  # True: BatchNorm keeps its (e.g. pretrained) running statistics and normalises with them
     config.model.stem = "auto"       # resnet18/34/50: 'imagenet' (7x7/2 conv + max-pool) | 'cifar' (3x3/1 conv) | 'auto' (cifar up to 64 px a side)
     config.model.batch_norm = False  # seed_cnn, mlp: BatchNorm after each conv and hidden dense
     config.model.hidden_sizes = (256, 128, 100)  # mlp: hidden dense layers
-    config.model.dropout = 0.0       # mlp: dropout after each hidden layer
+    config.model.dropout = 0.0       # mlp: dropout after each hidden layer; vit: after the attention and MLP projections
+    config.model.drop_path = 0.0     # vit: stochastic depth, the largest rate (the last block's; linear from 0 over the blocks)
     config.model.widths = (64, 256, 256)  # cifar_cnn: channels of its three conv blocks
     config.model.stem_width = 24     # cifar_cnn: channels of the 2x2 stem conv
     config.model.stem_init = "default"  # cifar_cnn: 'default' (learned) | 'whiten' (whitens 2x2 patches and stays frozen: never trained)
@@ -75,6 +83,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.pad_mode = "reflect"  # 'reflect' | 'constant' (zeros), for translate and TTA
     config.augment.rotate = 0.0      # random rotation up to this many degrees
     config.augment.cutout = 0        # side of one random black square; 0 = off
+    config.augment.mixup = 0.0       # MixUp: Beta(this, this) mixing weight; 0 = off (timm's recipes: 0.8)
+    config.augment.cutmix = 0.0      # CutMix: Beta(this, this) box area; 0 = off (timm's recipes: 1.0)
+    config.augment.mix_prob = 1.0    # mixup/cutmix: the share of batches mixed
+    config.augment.switch_prob = 0.5  # both on: the share of mixed batches that use CutMix rather than MixUp
     config.augment.crop = "none"     # 'random_resized' (streamed folders: ImageNet-style crop + flip on the host) | 'none'
     config.augment.crop_scale = (0.08, 1.0)  # random_resized: share of the image's area
     config.augment.crop_ratio = (3 / 4, 4 / 3)  # random_resized: aspect ratio range (log-uniform)
@@ -147,7 +159,8 @@ def param_group(params: str, **settings) -> ml_collections.ConfigDict:
     path (e.g. r"ConvBlock_\d+/Conv_\d+/kernel"); lr_scale: the group's learning
     rate is lr_scale x the schedule of optimizer.learning_rate; train_steps: > 0
     trains the group for the first this many steps only. Any other optimizer key
-    (name, momentum, weight_decay, ...) overrides the top-level value.
+    (name, momentum, weight_decay, ...) overrides the top-level value. freeze=True: the
+    group is never updated and keeps no optimiser state (a frozen pretrained backbone).
     """
     return ml_collections.ConfigDict({"params": params, "lr_scale": 1.0, "train_steps": 0,
                                       **settings})

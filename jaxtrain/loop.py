@@ -170,6 +170,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     if restored is None and resuming:  # no step Orbax recognises: start afresh after all
         run = prepare.setup(config, mesh, model=model)
     state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
+    if meta.get("init_from"):  # what the first start loaded (a resumed run reads no weights)
+        run = run._replace(init_from=meta["init_from"])
     start_step = train.current_step(state)
     clock.lap("restore", None if restored is None else (
         f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
@@ -278,6 +280,7 @@ def summarize(session: Session) -> dict:
         "jax_version": jax.__version__,
         "flax_version": flax.__version__,
         "dataset": run.dataset.origin,
+        "init_from": run.init_from,  # what model.init_from loaded and re-initialised
         "config": config.to_dict(),
     }
     for name, value in test_metrics.items():  # train.ema_decay: test_accuracy_ema, ...
@@ -485,7 +488,8 @@ def checkpoint_meta(run: prepare.Setup, config, state, train_seconds: float, eva
             "train_seconds": train_seconds, "eval_seconds": eval_seconds,
             "mean": list(run.mean), "std": list(run.std),
             "class_names": list(run.dataset.class_names),
-            "image_shape": list(run.dataset.image_shape)}
+            "image_shape": list(run.dataset.image_shape),
+            **({"init_from": run.init_from} if run.init_from else {})}
 
 
 def check_resumable(workdir: str, config) -> None:

@@ -19,7 +19,7 @@ from jaxtrain.errors import ConfigError
 
 SCHEDULES = ("constant", "linear", "onecycle", "warmup_cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
-GROUP_ONLY_KEYS = ("params", "lr_scale", "train_steps")
+GROUP_ONLY_KEYS = ("params", "lr_scale", "train_steps", "freeze")
 # The schedule's shape is shared by all groups; a group scales it with lr_scale.
 SHARED_KEYS = ("groups", "learning_rate", "schedule", "warmup_fraction", "start_lr_fraction",
                "end_lr_fraction", "lookahead_steps", "lookahead_alpha")
@@ -72,7 +72,7 @@ def group_settings(opt, name: str) -> ml_collections.ConfigDict:
                           "for the '/'-joined parameter paths (optimizer.groups uses "
                           "configs.default.param_group)")
     settings = {k: v for k, v in opt.items() if k not in ("groups",)}
-    settings.update({"lr_scale": 1.0, "train_steps": 0})
+    settings.update({"lr_scale": 1.0, "train_steps": 0, "freeze": False})
     settings.update(group.to_dict() if hasattr(group, "to_dict") else dict(group))
     return ml_collections.ConfigDict(settings)
 
@@ -127,6 +127,10 @@ def check_groups(opt, params, frozen: tuple = ()) -> None:
     for name in list(opt.groups.keys()) + ["default"]:
         settings = group_settings(opt, name) if name != "default" else opt
         prefix = f"config.optimizer.groups.{name}" if name != "default" else "config.optimizer"
+        if name != "default" and not isinstance(settings.freeze, bool):
+            raise ConfigError(f"{prefix}.freeze={settings.freeze!r}: must be True or False")
+        if name != "default" and settings.freeze:
+            continue  # never stepped: its optimiser settings do not matter
         if settings.name not in OPTIMIZERS:
             raise ConfigError(f"{prefix}.name={settings.name!r}: must be one of "
                               + ", ".join(OPTIMIZERS))
@@ -240,6 +244,18 @@ def _optimizer(opt, schedule):
     raise ValueError(f"unknown optimizer.name {opt.name!r}; choose one of: " + ", ".join(OPTIMIZERS))
 
 
+def keep_unchanged() -> optax.GradientTransformation:
+    """The update of a frozen parameter: -0.0 everywhere, with no state.
+
+    p + (-0.0) is p bit for bit for every p (+0.0 and -0.0 included), where p + 0.0
+    would turn a -0.0 weight into +0.0; and the gradient it ignores is dead code
+    that XLA removes, so a frozen backbone costs no weight gradients.
+    """
+    def update_fn(updates, state, params=None):
+        return jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def _with_renormalize(settings, tx):
     return optax.chain(tx, renormalize()) if settings.get("renormalize", False) else tx
 
@@ -251,18 +267,18 @@ def create_optimizer(opt, schedule: optax.Schedule,
     SGD and Adam add weight_decay * params to the gradient (coupled L2, as
     torch.optim does); AdamW and Muon decay the weights directly, scaled by the
     learning rate (as torch.optim.AdamW does). Parameters whose '/'-joined path
-    is in `frozen` are never updated (no step, no decay). Parameters of no
-    group use the top-level settings.
+    is in `frozen`, or in a group with freeze=True, are never updated (no step, no
+    decay, no optimiser state). Parameters of no group use the top-level settings.
     """
     groups = list(opt.groups.keys()) if "groups" in opt else []
     default = _with_renormalize(opt, _optimizer(opt, schedule))
     if not groups and not frozen:
         tx = default
     else:
-        transforms = {"default": default, "frozen": optax.set_to_zero()}
+        transforms = {"default": default, "frozen": keep_unchanged()}
         for name in groups:
             settings = group_settings(opt, name)
-            transforms[name] = _with_renormalize(
+            transforms[name] = keep_unchanged() if settings.freeze else _with_renormalize(
                 settings, _optimizer(settings, group_schedule(settings, schedule)))
         tx = optax.partition(transforms, lambda params: param_labels(opt, params, frozen))
     if opt.get("lookahead_steps", 0) > 0:

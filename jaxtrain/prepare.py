@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import (augment, checks, data, input, models, optim, parallel, replicas, train,
-                      user_model)
+                      user_model, weights)
 from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError
 
@@ -31,6 +31,8 @@ class Setup(NamedTuple):
     steps_per_epoch: int
     total_steps: int
     runs: Any  # None, or the replicas (replicas.Run) trained together, on a leading axis
+    init_from: Any = None  # what model.init_from loaded (weights.Report.to_json()); None: a
+                           # random init, or an abstract state, which reads no weights
 
 
 def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None) -> Setup:
@@ -47,6 +49,10 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     lap = clock.lap if clock is not None else lambda *args: None
     checks.check_config(config)
     mesh = parallel.create_mesh() if mesh is None else mesh
+    init_from = config.model.get("init_from", "")
+    if init_from and not abstract_state:
+        weights.source(init_from)  # a missing or unreadable source fails before the data loads
+        weights.check_fits(init_from, config.model.name)
     dataset, placement, placement_reason = input.load(config.data)
     runs = replicas.runs(config)
     if runs and placement == "stream":
@@ -55,9 +61,12 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
                           f"({placement_reason}); train the runs one at a time")
     lap("load", f"loaded {config.data.name} from {dataset.origin} ({len(dataset.x_train):,} "
                 f"training and {len(dataset.x_test):,} test images)")
+    trained_with = weights.preprocessing(init_from) if init_from else None
     computed = not (tuple(config.data.mean) and tuple(config.data.std))
-    mean, std = channel_stats(dataset, config)
-    lap("statistics", "computed the channel mean and std" if computed else None)
+    mean, std = channel_stats(dataset, config, trained_with)
+    lap("statistics", None if not computed else "computed the channel mean and std"
+        if trained_with is None else f"normalising as model.init_from's weights were "
+        f"trained: mean {_rounded(mean)}, std {_rounded(std)}")
     batch_size = config.train.batch_size
     steps_per_epoch = len(dataset.x_train) // batch_size
     if steps_per_epoch == 0:
@@ -102,12 +111,25 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
                              stem_kernel=stem_kernel, hyperparams=replicas.hyperparams(runs),
                              replicas=runs is not None,
                              ema=config.train.get("ema_decay") is not None)
+    report = None
+    if init_from and not abstract_state:  # read at step 0 only: a resumed run reads none
+        initial, report = weights.initialise(init_from, model, abstract_params,
+                                             config.model.name, dataset.image_shape,
+                                             config.model.get("init_from_exclude", ""))
+        init = functools.partial(init, initial=initial)
     state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
+    if report is not None:
+        lap("build", report.line() + " in {seconds:.1f} s")
     copies = f"{len(runs)} replicas of " if runs else ""
     lap("build", f"built {copies}{config.model.name} ({param_count(state.params, runs):,} "
                  "parameters) and its optimiser state")
     return Setup(mesh, dataset, placement, placement_reason, model, stem_kernel, mean, std,
-                 schedule, state, data_key, steps_per_epoch, total_steps, runs)
+                 schedule, state, data_key, steps_per_epoch, total_steps, runs,
+                 report.to_json() if report is not None else None)
+
+
+def _rounded(values) -> str:
+    return "(" + ", ".join(f"{v:.3f}" for v in values) + ")"
 
 
 def param_count(params, runs=None) -> int:
@@ -152,9 +174,13 @@ def abstract_init(model, model_config, image_shape):
                           f"{reason})") from None
 
 
-def channel_stats(dataset: data.Dataset, config) -> tuple[tuple, tuple]:
-    """data.mean/data.std from the config, or computed from the training split."""
+def channel_stats(dataset: data.Dataset, config, trained_with=None) -> tuple[tuple, tuple]:
+    """data.mean/data.std from the config, else those pretrained weights were trained
+    with (`trained_with`: (mean, std), model.init_from's), else computed from the
+    training split."""
     mean, std = tuple(config.data.mean), tuple(config.data.std)
+    if trained_with is not None:
+        mean, std = mean or tuple(trained_with[0]), std or tuple(trained_with[1])
     channels = dataset.image_shape[-1]
     if not mean or not std:
         # from each channel's histogram of byte values: exact, and ~10x faster than
@@ -236,10 +262,12 @@ def step_arguments(config, run: Setup) -> dict:
     return dict(batch_size=config.train.batch_size,
                 batch_sharding=batch_sharding, mean=run.mean, std=run.std,
                 augment_kwargs=augment.device_kwargs(config.augment),
+                mix_kwargs=augment.mix_kwargs(config.augment),
                 num_classes=run.dataset.num_classes,
                 label_smoothing=config.train.label_smoothing,
                 skip_nonfinite=config.train.nonfinite == "skip",
-                ema_decay=config.train.get("ema_decay"))
+                ema_decay=config.train.get("ema_decay"),
+                freeze_batch_stats=bool(config.model.get("freeze_batch_stats", False)))
 
 
 def tta_image_count(fraction: float, num_images: int):

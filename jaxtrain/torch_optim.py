@@ -152,7 +152,8 @@ def create_torch_optimizer(opt, model, total_steps: int) -> Optimizers:
     """The `optimizer` config block for a twin model: one torch optimiser per parameter
     group (optimizer.groups, then the parameters of no group), each param group
     with the `rates` of its total_steps steps. Frozen parameters (requires_grad
-    False) are left out, as jaxtrain leaves its frozen ones."""
+    False, or in a group with freeze=True, which this sets so) are left out, as
+    jaxtrain leaves its frozen ones."""
     paths = {p: path for p, path in torch_models.flax_param_paths(model).items()
              if p.requires_grad}
     tree = {}  # the Flax params tree, with the torch parameters as its leaves
@@ -172,6 +173,10 @@ def create_torch_optimizer(opt, model, total_steps: int) -> Optimizers:
         if not params:
             continue
         settings = optim.group_settings(opt, name) if name != "default" else opt
+        if name != "default" and settings.freeze:  # optimizer.groups' freeze=True
+            for param in params:
+                param.requires_grad_(False)
+            continue
         group_schedule = optim.group_schedule(settings, schedule) if name != "default" \
             else schedule
         optimizers.append(_torch_optimizer(settings, [{

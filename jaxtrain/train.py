@@ -38,14 +38,23 @@ def normalize(images, mean, std):
 
 
 def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=None,
-                       hyperparams=None, replicas: bool = False, ema: bool = False) -> TrainState:
+                       hyperparams=None, replicas: bool = False, ema: bool = False,
+                       initial=None) -> TrainState:
     """Initial parameters and optimiser state, placed by `sharding` (e.g. replicated);
     `stem_kernel` replaces the initial stem weights (a whitened stem). With `replicas`,
     `key` has a leading axis and one state per key is made (jax.vmap); `hyperparams`
     ({name: (R,) values}) then set each one's swept optimiser values (replicas.py).
-    `ema`: the state also holds a moving average of the weights, starting at them."""
-    def init(key, hyperparams):
+    `ema`: the state also holds a moving average of the weights, starting at them.
+    `initial`: {'params/…' or 'batch_stats/…' path: array} replacing those leaves of the
+    fresh init (model.init_from's weights, jaxtrain/weights.py) before the optimiser
+    state is made from them; every replica starts from the same ones."""
+    def init(key, hyperparams, initial):
         variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
+        if initial:
+            variables = {collection: jax.tree_util.tree_map_with_path(
+                lambda path, leaf, c=collection: initial.get(
+                    c + "/" + "/".join(str(getattr(k, "key", k)) for k in path), leaf), tree)
+                for collection, tree in variables.items()}
         params = variables["params"]
         if stem_kernel is not None:
             params = models.with_stem_kernel(params, jnp.asarray(stem_kernel))
@@ -58,7 +67,9 @@ def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=N
             state = state.replace(ema=jax.tree.map(jnp.copy, {
                 "params": state.params, "batch_stats": state.batch_stats}))
         return state
-    return jax.jit(jax.vmap(init) if replicas else init, out_shardings=sharding)(key, hyperparams)
+    initial = {path: jnp.asarray(value) for path, value in (initial or {}).items()}
+    init_fn = jax.vmap(init, in_axes=(0, 0, None)) if replicas else init
+    return jax.jit(init_fn, out_shardings=sharding)(key, hyperparams, initial)
 
 
 def current_step(state) -> int:
@@ -77,19 +88,28 @@ def hyperparam(state, name: str, default):
 
 
 def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
-               num_classes, label_smoothing, skip_nonfinite=False, ema_decay=None):
+               num_classes, label_smoothing, skip_nonfinite=False, ema_decay=None,
+               mix_kwargs=None, freeze_batch_stats=False):
     """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
 
     `mirror`: the batch's alternating-flip bits (augment.alternate_flip), else None.
+    `mix_kwargs` (augment.mix_kwargs): MixUp/CutMix of the normalised batch and its
+    smoothed targets, keyed by fold_in(key, augment.MIX_STREAM), so the augmentation and
+    dropout keys stay those of a run that does not mix. Accuracy counts the true labels.
     With skip_nonfinite, a step whose loss is not finite leaves the state as it was.
     With ema_decay (and a state holding an EMA), the average moves toward the new
     weights and BatchNorm statistics: ema = decay * ema + (1 - decay) * new.
+    With freeze_batch_stats (model.freeze_batch_stats), the BatchNorm statistics stay as
+    they are (the built-in models also normalise with them; your own may not).
     """
     augment_key, dropout_key = jax.random.split(key)
     images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
     inputs = normalize(images, mean, std)
     targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes),
                                   hyperparam(state, "label_smoothing", label_smoothing))
+    if mix_kwargs:
+        inputs, targets = augment.mix_batch(
+            inputs, targets, jax.random.fold_in(key, augment.MIX_STREAM), **mix_kwargs)
 
     def loss_fn(params):
         logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
@@ -99,6 +119,8 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
         return loss, (logits, updates.get("batch_stats", state.batch_stats))
 
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if freeze_batch_stats:
+        batch_stats = state.batch_stats
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
     if ema_decay is not None and state.ema is not None:
         new_state = new_state.replace(ema=jax.tree.map(

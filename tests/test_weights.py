@@ -1,0 +1,477 @@
+"""model.init_from: torchvision's and timm's weights give jaxtrain's models their logits;
+heads re-initialised, wrong architectures and pickled code refused, frozen groups and
+statistics untouched, workdirs as starting points, exact resume."""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import checkpoint, prepare, train, weights
+from jaxtrain.defaults import get_config, param_group
+
+REPO = Path(__file__).resolve().parents[1]
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+
+
+def upscaled(images, factor=2):
+    return np.repeat(np.repeat(images, factor, 1), factor, 2)
+
+
+@pytest.fixture(scope="module")
+def arrays_64(tmp_path_factory, cifar_subset):
+    """Real CIFAR-10 images at 64 px (2x nearest) as a data.name='arrays' file: 256
+    training and 64 test images."""
+    path = tmp_path_factory.mktemp("arrays64") / "cifar64.npz"
+    np.savez(path, x_train=upscaled(cifar_subset["x_train"][:256]),
+             y_train=cifar_subset["y_train"][:256],
+             x_test=upscaled(cifar_subset["x_test"][:64]), y_test=cifar_subset["y_test"][:64])
+    return path
+
+
+def arrays_config(npz, model_name, init_from, **model):
+    config = get_config()
+    config.data.name = "arrays"
+    config.data.dir = str(npz)
+    config.model.name = model_name
+    config.model.init_from = str(init_from)
+    config.model.update(model)
+    config.train.precision = "float32"
+    config.train.batch_size = 32
+    config.train.num_steps = 4
+    return config
+
+
+def randomised_statistics(module):
+    """BatchNorm statistics and affine values away from their 0/1 init, so a mix-up of
+    mean and var, or of scale and bias, shows in the logits."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                for tensor, (low, high) in ((m.running_mean, (-0.5, 0.5)),
+                                            (m.running_var, (0.5, 2.0)),
+                                            (m.weight, (0.5, 1.5)), (m.bias, (-0.2, 0.2))):
+                    tensor.copy_(torch.rand(tensor.shape, generator=generator)
+                                 * (high - low) + low)
+    return module.eval()
+
+
+def jax_logits(run, images):
+    variables = {"params": run.state.params, "batch_stats": run.state.batch_stats}
+    inputs = train.normalize(images, run.mean, run.std)
+    return np.asarray(run.model.apply(variables, inputs, train=False))
+
+
+def torch_logits(module, images, mean, std):
+    inputs = (images.astype(np.float32) / 255.0 - np.float32(mean)) / np.float32(std)
+    with torch.no_grad():
+        return module(torch.from_numpy(inputs.astype(np.float32).transpose(0, 3, 1, 2))).numpy()
+
+
+def relative_error(ours, theirs):
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_torchvision_resnets_give_their_logits(name, arrays_64, tmp_path, cifar_subset):
+    torch.manual_seed(0)
+    reference = randomised_statistics(getattr(torchvision.models, name)(weights=None,
+                                                                        num_classes=10))
+    path = tmp_path / f"{name}.pth"
+    torch.save(reference.state_dict(), path)
+    run = prepare.setup(arrays_config(arrays_64, name, path, stem="imagenet"))
+    assert run.mean == weights.IMAGENET_MEAN and run.std == weights.IMAGENET_STD
+    images = upscaled(cifar_subset["x_test"][:8])
+    error = relative_error(jax_logits(run, images), torch_logits(reference, images, run.mean,
+                                                                 run.std))
+    assert error < 1e-4
+    tensors = len([k for k in reference.state_dict() if not k.endswith("num_batches_tracked")])
+    assert run.init_from["tensors_loaded"] == tensors and run.init_from["reinitialised"] == []
+
+
+def randomised_parameters(module):
+    """Every float parameter of a timm ViT moved off its init (LayerNorm scales near 1,
+    biases away from 0), so a swapped or untransposed tensor shows in the logits."""
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, tensor in module.named_parameters():
+            noise = torch.randn(tensor.shape, generator=generator)
+            tensor.copy_(1.0 + 0.1 * noise if name.endswith("norm1.weight") or name.endswith(
+                "norm2.weight") or name == "norm.weight" else 0.05 * noise)
+    return module.eval()
+
+
+def test_timm_resnet50_as_safetensors_gives_its_logits(arrays_64, tmp_path, cifar_subset):
+    timm = pytest.importorskip("timm")
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    reference = randomised_statistics(timm.create_model("resnet50", pretrained=False,
+                                                        num_classes=10))
+    path = tmp_path / "resnet50.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    run = prepare.setup(arrays_config(arrays_64, "resnet50", path, stem="imagenet"))
+    images = upscaled(cifar_subset["x_test"][:8])
+    assert relative_error(jax_logits(run, images),
+                          torch_logits(reference, images, run.mean, run.std)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def arrays_32(tmp_path_factory, cifar_subset):
+    path = tmp_path_factory.mktemp("arrays32") / "cifar32.npz"
+    np.savez(path, x_train=cifar_subset["x_train"][:256], y_train=cifar_subset["y_train"][:256],
+             x_test=cifar_subset["x_test"][:64], y_test=cifar_subset["y_test"][:64])
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_timm_vit_small_gives_its_logits(suffix, arrays_32, tmp_path, cifar_subset):
+    timm = pytest.importorskip("timm")
+    reference = randomised_parameters(timm.create_model(
+        "vit_small_patch16_224", pretrained=False, img_size=32, num_classes=10))
+    path = tmp_path / f"vit_small{suffix}"
+    if suffix == ".pth":
+        torch.save(reference.state_dict(), path)
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    run = prepare.setup(arrays_config(arrays_32, "vit_small", path))
+    images = cifar_subset["x_test"][:8]
+    assert relative_error(jax_logits(run, images),
+                          torch_logits(reference, images, run.mean, run.std)) < 1e-4
+    assert run.init_from["tensors_loaded"] == len(reference.state_dict())
+
+
+def test_a_vit_at_another_image_size_resamples_its_position_table(arrays_64, tmp_path):
+    timm = pytest.importorskip("timm")
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                                  num_classes=10)
+    path = tmp_path / "vit_tiny.pth"
+    torch.save(reference.state_dict(), path)
+    run = prepare.setup(arrays_config(arrays_64, "vit_tiny", path))
+    assert run.init_from["resampled"] == [
+        {"tensor": "pos_embed", "weights": [1, 5, 192], "model": [1, 17, 192]}]
+    from jaxtrain import vit
+    np.testing.assert_allclose(
+        np.asarray(run.state.params["pos_embed"]),
+        vit.resample_pos_embed(reference.pos_embed.detach().numpy(), (4, 4)), rtol=1e-6)
+
+
+def run_main(*args):
+    return subprocess.run([sys.executable, "main.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+SMALL_RUN = ("--config.data.name=arrays", "--config.train.num_steps=4",
+             "--config.train.batch_size=32", "--config.eval.batch_size=64",
+             "--config.train.precision=float32")
+
+
+@pytest.fixture(scope="module")
+def torchvision_resnet18_file(tmp_path_factory):
+    """torchvision's ResNet-18 as its ImageNet weights come: 1000 classes (random init)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tv") / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    return path
+
+
+def test_a_new_class_count_reinitialises_the_head_and_says_so(arrays_64, tmp_path,
+                                                              torchvision_resnet18_file):
+    workdir = tmp_path / "run"
+    result = run_main("--config=configs/folder.py", f"--workdir={workdir}",
+                      f"--config.data.dir={arrays_64}", "--config.model.stem=imagenet",
+                      f"--config.model.init_from={torchvision_resnet18_file}", *SMALL_RUN)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = (f"initialised from {torchvision_resnet18_file}: 100 tensors loaded; "
+            "re-initialised head Dense_0 (512x1000 -> 512x10)")
+    assert line in result.stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["init_from"]["tensors_loaded"] == 100
+    assert summary["init_from"]["reinitialised"] == [
+        {"tensor": "Dense_0", "weights": [512, 1000], "model": [512, 10]}]
+
+
+def test_another_architecture_is_one_line_and_writes_nothing(arrays_64, tmp_path,
+                                                            torchvision_resnet18_file):
+    workdir = tmp_path / "run"
+    result = run_main("--config=configs/folder.py", f"--workdir={workdir}",
+                      f"--config.data.dir={arrays_64}", "--config.model.name=resnet34",
+                      f"--config.model.init_from={torchvision_resnet18_file}", *SMALL_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    # 64 px takes the CIFAR stem (3x3 conv) where the weights have ImageNet's 7x7, and
+    # ResNet-34 has a third block in its first stage where ResNet-18 has two
+    assert message.startswith(f"error: config.model.init_from='{torchvision_resnet18_file}' "
+                              "does not fit model.name='resnet34': shapes differ: conv1.weight "
+                              "is 64x3x7x7 there, params/Conv_0/kernel is 3x3x3x64 here; "
+                              "missing in the weights: params/ResNetBlock_2/BatchNorm_0/bias "
+                              "(64), ")
+    assert not workdir.exists()
+
+
+class WritesAFile:
+    """A pickle that would create a file if it were ever unpickled with code allowed."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickled_object_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.pth"
+    with open(path, "wb") as f:
+        torch.save({"conv1.weight": torch.zeros(1), "extra": WritesAFile(str(marker))}, f)
+    with pytest.raises(weights.WeightsError, match="refused, it holds pickled objects other "
+                                                   "than tensors"):
+        weights.read(weights.source(str(path)))
+    assert not marker.exists()
+    not_a_state_dict = tmp_path / "list.pth"
+    torch.save([torch.zeros(2)], not_a_state_dict)
+    with pytest.raises(weights.WeightsError, match="holds a list, not a state_dict of tensors"):
+        weights.read(weights.source(str(not_a_state_dict)))
+    damaged = tmp_path / "damaged.pth"
+    damaged.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(weights.WeightsError, match="not a readable PyTorch file"):
+        weights.read(weights.source(str(damaged)))
+
+
+def test_a_missing_source_fails_before_the_data_loads(tmp_path):
+    config = get_config()
+    config.data.dir = str(tmp_path / "no_data_here")
+    config.model.name = "resnet18"
+    config.model.init_from = str(tmp_path / "nothing.pth")
+    with pytest.raises(weights.WeightsError, match="no such file or directory"):
+        prepare.setup(config)
+
+
+# ---------------------------------------------------------------- a jaxtrain run as the start
+
+SEED_RUN = ("--config=configs/cifar_seed_cnn.py", "--config.model.batch_norm=True",
+            "--config.train.batch_size=32",
+            "--config.eval.batch_size=100", "--config.data.source=files")
+
+
+@pytest.fixture(scope="module")
+def cifar_workdir(tmp_path_factory, cifar_batches_dir):
+    """A finished 20-step seed-CNN run on real CIFAR-10 (10 classes)."""
+    workdir = tmp_path_factory.mktemp("source") / "cifar"
+    result = run_main(*SEED_RUN, f"--workdir={workdir}", f"--config.data.dir={cifar_batches_dir}",
+                      "--config.train.num_steps=20")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def five_class_folder(tmp_path_factory, cifar_jpeg_folder):
+    """The real-JPEG CIFAR folder with only its first five classes."""
+    import shutil
+    root = tmp_path_factory.mktemp("five") / "photos"
+    for split in ("train", "test"):
+        for name in sorted(os.listdir(cifar_jpeg_folder / split))[:5]:
+            shutil.copytree(cifar_jpeg_folder / split / name, root / split / name)
+    return root
+
+
+def folder_config(folder, init_from):
+    config = get_config()
+    config.data.name = "folder"
+    config.data.dir = str(folder)
+    config.model.name = "seed_cnn"
+    config.model.batch_norm = True
+    config.model.init_from = str(init_from)
+    config.train.batch_size = 32
+    return config
+
+
+def test_a_cifar_run_starts_a_five_class_folder_run(cifar_workdir, five_class_folder):
+    run = prepare.setup(folder_config(five_class_folder, cifar_workdir))
+    source = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(cifar_workdir), ""), "")
+    flat = {f"{c}/{weights._key_path(p)}": np.asarray(leaf)
+            for c, tree in (("params", run.state.params), ("batch_stats", run.state.batch_stats))
+            for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    head = [k for k in flat if k.startswith("params/Dense_2/")]
+    assert sorted(head) == ["params/Dense_2/bias", "params/Dense_2/kernel"]
+    assert flat["params/Dense_2/kernel"].shape == (84, 5)
+    for key, value in flat.items():
+        if key not in head:
+            np.testing.assert_array_equal(value, source[key], err_msg=key)
+    assert run.init_from["tensors_loaded"] == len(flat) - 2
+    assert run.init_from["reinitialised"] == [
+        {"tensor": "Dense_2", "weights": [84, 10], "model": [84, 5]}]
+    # the source run's normalisation comes with its weights
+    meta = json.loads((Path(weights.jaxtrain_step_dir(str(cifar_workdir), ""))
+                       / "meta" / "metadata").read_text())
+    assert run.mean == tuple(meta["mean"]) and run.std == tuple(meta["std"])
+
+
+def test_init_from_is_read_at_step_0_only_and_resume_stays_exact(cifar_workdir,
+                                                                  cifar_batches_dir, tmp_path):
+    import shutil
+    source = tmp_path / "source"
+    shutil.copytree(cifar_workdir, source)
+    flags = (*SEED_RUN, f"--config.data.dir={cifar_batches_dir}", f"--config.model.init_from={source}",
+             "--config.train.num_steps=300", "--config.checkpoint.every_steps=100",
+             "--config.eval.every_epochs=0")
+    reference = run_main(*flags, f"--workdir={tmp_path / 'reference'}")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    workdir = tmp_path / "killed"
+    first = subprocess.Popen([sys.executable, "main.py", *flags, f"--workdir={workdir}"],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not checkpoint.saved_steps(str(workdir / "checkpoints")):
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    shutil.rmtree(source)  # a resumed run reads no weights
+    rerun = run_main(*flags, f"--workdir={workdir}")
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resumed from checkpoint step" in rerun.stdout
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text())
+                 for name in ("reference", "killed")]
+    assert summaries[1]["resumed_from_step"] > 0
+    assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
+    assert summaries[1]["init_from"] == summaries[0]["init_from"]  # kept in the checkpoint
+    changed = run_main(*flags, f"--config.model.init_from={cifar_workdir}",
+                       f"--workdir={workdir}")
+    assert changed.returncode == 2
+    assert f"(model.init_from: '{source}' -> '{cifar_workdir}')" in changed.stderr
+
+
+# ---------------------------------------------------------------- freezing
+
+def frozen_backbone_config(folder, init_from, workdir_steps=10):
+    config = folder_config(folder, init_from)
+    config.train.num_steps = workdir_steps
+    config.eval.every_epochs = 0
+    config.optimizer.groups.backbone = param_group(r"(?!Dense_2/).*", freeze=True)
+    config.optimizer.groups.head = param_group(r"Dense_2/.*", lr_scale=10.0)
+    return config
+
+
+def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
+        cifar_workdir, five_class_folder, tmp_path):
+    from jaxtrain import loop
+    config = frozen_backbone_config(five_class_folder, cifar_workdir)
+    config.model.freeze_batch_stats = True
+    start = prepare.setup(config)
+    backbone = jax.tree.leaves(start.state.opt_state.inner_states["backbone"])
+    head = jax.tree.leaves(start.state.opt_state.inner_states["head"])
+    assert backbone == []
+    assert sorted(leaf.shape for leaf in head if leaf.ndim) == [(5,), (84, 5)]  # momentum
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    end = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
+    assert int(json.loads((Path(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""))
+                           / "meta" / "metadata").read_text())["step"]) == 10
+    for key, value in jax.tree_util.tree_leaves_with_path(start.state.params):
+        path = "params/" + weights._key_path(key)
+        if path.startswith("params/Dense_2/"):
+            assert not np.array_equal(end[path], np.asarray(value)), path  # trained
+        else:
+            assert np.asarray(value).tobytes() == end[path].tobytes(), path
+    statistics = jax.tree_util.tree_leaves_with_path(start.state.batch_stats)
+    assert len(statistics) == 8  # mean and var of four BatchNorm layers
+    for key, value in statistics:
+        path = "batch_stats/" + weights._key_path(key)
+        assert np.asarray(value).tobytes() == end[path].tobytes(), path
+
+
+def test_without_freezing_the_statistics_move(cifar_workdir, five_class_folder, tmp_path):
+    from jaxtrain import loop
+    config = frozen_backbone_config(five_class_folder, cifar_workdir, workdir_steps=2)
+    start = prepare.setup(config)
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    end = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
+    moved = [weights._key_path(k) for k, v in
+             jax.tree_util.tree_leaves_with_path(start.state.batch_stats)
+             if not np.array_equal(np.asarray(v), end["batch_stats/" + weights._key_path(k)])]
+    assert len(moved) == 8
+
+
+# ---------------------------------------------------------------- compare: the same start
+
+def test_the_pytorch_twin_starts_from_the_same_weights(arrays_64, torchvision_resnet18_file,
+                                                       cifar_subset):
+    from jaxtrain import compare
+    config = arrays_config(arrays_64, "resnet18", torchvision_resnet18_file, stem="imagenet")
+    config.optimizer.groups.backbone = param_group(r"(?!Dense_0/).*", freeze=True)
+    config.model.freeze_batch_stats = True
+    run = prepare.setup(config)
+    initial = {"params": run.state.params, "batch_stats": run.state.batch_stats}
+    model, optimizer, _ = compare.torch_recipe(config, run.dataset, "cpu", 4, initial=initial)
+    model.train()  # frozen statistics: BatchNorm stays in eval mode
+    images = upscaled(cifar_subset["x_test"][:8])
+    assert relative_error(torch_logits(model, images, run.mean, run.std),
+                          jax_logits(run, images)) < 1e-4
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert sorted(p.shape for p in model.parameters() if id(p) in trained) == [
+        (10,), (10, 512)]  # the head only
+
+
+# ---------------------------------------------------------------- the README's recipes
+
+@pytest.mark.parametrize("recipe", ["finetune", "finetune_vit"])
+def test_the_fine_tuning_recipes_run_as_the_readme_says(recipe, five_class_folder, tmp_path):
+    """configs/finetune.py and configs/finetune_vit.py on a five-class folder, from local
+    random-init copies of the weights they name (no network in tests), a few steps at a
+    small size; the linear probe's flags on the ResNet."""
+    torch.manual_seed(0)
+    if recipe == "finetune":
+        start = tmp_path / "resnet50.pth"
+        torch.save(torchvision.models.resnet50(weights=None).state_dict(), start)
+        extra = ("--config.data.image_size=64", "--config.optimizer.groups.backbone.freeze=True",
+                 "--config.model.freeze_batch_stats=True")
+        head, loaded = {"tensor": "Dense_0", "weights": [2048, 1000], "model": [2048, 5]}, 265
+    else:
+        timm = pytest.importorskip("timm")
+        from safetensors.torch import save_file
+        start = tmp_path / "vit_small.safetensors"
+        save_file(timm.create_model("vit_small_patch16_224", pretrained=False,
+                                    img_size=32).state_dict(), str(start))
+        extra = ("--config.data.image_size=32",)
+        head, loaded = {"tensor": "head", "weights": [384, 1000], "model": [384, 5]}, 150
+    workdir = tmp_path / "run"
+    result = run_main(f"--config=configs/{recipe}.py", f"--config.data.dir={five_class_folder}",
+                      f"--workdir={workdir}", f"--config.model.init_from={start}", *extra,
+                      "--config.train.num_steps=2", "--config.train.batch_size=16",
+                      "--config.eval.batch_size=50", "--config.train.precision=float32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["init_from"]["reinitialised"] == [head]
+    assert summary["init_from"]["tensors_loaded"] == loaded
+    assert summary["steps"] == 2 and summary["test_accuracy"] >= 0
+
+
+def test_init_from_exclude_keeps_a_fresh_head_of_the_same_shape(cifar_workdir, cifar_subset,
+                                                                 tmp_path):
+    """Ten new classes for ten old ones: the shapes match, so only model.init_from_exclude
+    gives the new task a fresh head."""
+    npz = tmp_path / "cifar.npz"
+    np.savez(npz, **{k: cifar_subset[k][:256] for k in ("x_train", "y_train", "x_test",
+                                                         "y_test")})
+    config = arrays_config(npz, "seed_cnn", cifar_workdir, batch_norm=True,
+                           init_from_exclude=r"Dense_2/.*")
+    run = prepare.setup(config)
+    assert run.init_from["reinitialised"] == [
+        {"tensor": "Dense_2", "weights": [84, 10], "model": [84, 10]}]
+    source = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(cifar_workdir), ""), "")
+    assert not np.array_equal(np.asarray(run.state.params["Dense_2"]["kernel"]),
+                              source["params/Dense_2/kernel"])
+    np.testing.assert_array_equal(np.asarray(run.state.params["Dense_1"]["kernel"]),
+                                  source["params/Dense_1/kernel"])
+    config.model.init_from_exclude = "Head/.*"
+    with pytest.raises(weights.WeightsError, match=r"init_from_exclude='Head/\.\*' matches no "
+                                                   "parameter"):
+        prepare.setup(config)
