@@ -96,15 +96,20 @@ PLAN = (
     Step("compare_seed", 60, 45, "the seed recipe in jaxtrain (one run: its images/s) and "
          "the fastest PyTorch", "the seed article's recipe, side by side; its PyTorch as "
          "written is measured already (82.6 s)"),
-    Step("resnet50_224", 55, 45, "ResNet-50 at 224 px, 40 steps of batch 256, jaxtrain and "
-         "PyTorch (channels_last, bf16 autocast, torch.compile): images/s each",
-         "the ImageNet-class throughput frameworks are compared by"),
+    Step("finetune_resnet50_224", 55, 45, "configs/finetune.py: ResNet-50 at 224 px from "
+         "random-init torchvision weights (model.init_from), 40 steps of batch 256, jaxtrain "
+         "and PyTorch (channels_last, bf16 autocast, torch.compile) from the same weights: "
+         "images/s each", "the ImageNet-class throughput frameworks are compared by, on the "
+         "path people fine-tune with"),
 )
 # If time is left: the speedrun's epoch count chosen on this data (the record's 8 is its
 # choice on the original CIFAR-10). Each gets at most its cap of what is left.
 EXTRAS = (
     Step("speedrun_7_epochs", 60, 45, "the speedrun with 7 epochs", "only if time is left"),
     Step("speedrun_9_epochs", 60, 50, "the speedrun with 9 epochs", "only if time is left"),
+    Step("resnet50_224", 55, 45, "ResNet-50 at 224 px from scratch (the ImageNet recipe), 40 "
+         "steps of batch 256, jaxtrain and PyTorch: images/s each", "only if time is left; "
+         "the fine-tuning item's throughput without init_from"),
 )
 SETUP = ("wheels", "data", "preflight")
 
@@ -121,9 +126,11 @@ DRY_SEED = ("--config.train.num_steps=20", "--config.train.log_every_steps=10",
 RESNET_IMAGES = {False: (2560, 512, 7), True: (64, 32, 2)}  # (train, test, factor) by dry
 DRY_RESNET = ("--config.model.name=resnet18", "--config.train.batch_size=8",
               "--config.train.num_steps=2", "--config.eval.batch_size=16")
+START_WEIGHTS = "resnet50_random.pth"  # the fine-tuning item's torchvision weights (random)
 
 
-def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = None) -> list:
+def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = None,
+          start_weights: str = START_WEIGHTS) -> list:
     """(Step, command, JSON file the command writes) in the order run: PLAN's, then
     EXTRAS' (not in a dry run: they are the speedrun item with another epoch count)."""
     python = [sys.executable]
@@ -144,6 +151,14 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
               "--config.train.num_steps=40", "--config.train.log_every_steps=10",
               "--config.checkpoint.every_steps=0", "--config.eval.every_epochs=0",
               "--config.eval.batch_size=256", *(DRY_RESNET if dry else ())]
+
+    finetune = ["--config=configs/finetune.py", "--config.data.name=arrays",
+                f"--config.data.dir={arrays}", "--config.data.placement=device",
+                f"--config.model.init_from={start_weights}",
+                "--config.train.batch_size=256", "--config.train.num_steps=40",
+                "--config.train.log_every_steps=10", "--config.checkpoint.every_epochs=0",
+                "--config.eval.every_epochs=0", "--config.eval.batch_size=256",
+                *(DRY_RESNET if dry else ())]
 
     def path(name):
         return os.path.join(work, name)
@@ -174,6 +189,10 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
                                    "--frameworks=jax,torch_fast", *torch_compile,
                                    f"--workdir={path('compare_seed')}"],
                          path("compare_seed/compare.json")),
+        "finetune_resnet50_224": (python + ["-m", "jaxtrain.compare", *finetune,
+                                            "--frameworks=jax,torch_fast", *torch_compile,
+                                            f"--workdir={path('finetune_resnet50_224')}"],
+                                  path("finetune_resnet50_224/compare.json")),
         "resnet50_224": (python + ["-m", "jaxtrain.compare", *resnet,
                                    "--frameworks=jax,torch_fast", *torch_compile,
                                    f"--workdir={path('resnet50_224')}"],
@@ -259,6 +278,18 @@ def wheel_command(wheels: str, target: str) -> list | None:
     return [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
             "--no-compile", "--no-cache-dir", "--upgrade", "--target", target,
             *(os.path.join(wheels, f) for f in found)]
+
+
+def write_start_weights(path: str, dry: bool) -> str:
+    """torchvision's ResNet-50 (ResNet-18 dry) with its random init, saved as its ImageNet
+    weights are: the fine-tuning item's model.init_from (the device has no network)."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18 if dry else torchvision.models.resnet50
+    torch.save(model(weights=None).state_dict(), path)
+    return path
 
 
 def write_resnet_arrays(batches_dir: str, path: str, dry: bool) -> str:
@@ -443,8 +474,10 @@ def main(argv=None) -> int:
         parser.error("--out is required when $OUT is not set")
     scratch = tempfile.mkdtemp(prefix="jaxtrain-h200-")
     work, logs = os.path.join(scratch, "work"), os.path.join(scratch, "logs")
+    start_weights = os.path.join(scratch, START_WEIGHTS)
     listed = items(args.data_dir or os.path.join(scratch, "data"),
-                   os.path.join(scratch, "resnet_224.npz"), work, args.dry, args.runs)
+                   os.path.join(scratch, "resnet_224.npz"), work, args.dry, args.runs,
+                   start_weights)
     names = {step.name for step, *_ in listed}
     only = {name for name in args.only.split(",") if name}
     if only - names:
@@ -528,12 +561,15 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
             if status == "ok" and name == "preflight":
                 results["environment"]["child"] = last_json_line(
                     os.path.join(logs, "preflight.log"))
+        resnets = {"resnet50_224", "finetune_resnet50_224"}
         if record["status"] in ("ok", "not needed") and name == "data" and (
-                not only or "resnet50_224" in only):
+                not only or resnets & only):
             try:
                 write_resnet_arrays(data_dir, os.path.join(scratch, "resnet_224.npz"), args.dry)
-            except (OSError, KeyError, ValueError, pickle.UnpicklingError) as error:
-                record.update(status="failed", error=f"the 224 px arrays: {error}")
+                if not only or "finetune_resnet50_224" in only:
+                    write_start_weights(os.path.join(scratch, START_WEIGHTS), args.dry)
+            except (OSError, KeyError, ValueError, ImportError, pickle.UnpicklingError) as error:
+                record.update(status="failed", error=f"the 224 px arrays and weights: {error}")
         record.setdefault("seconds", 0.0)
         results["total_seconds"] = elapsed()
         write_json(results, results_path)
