@@ -475,3 +475,12 @@ def test_init_from_exclude_keeps_a_fresh_head_of_the_same_shape(cifar_workdir, c
     with pytest.raises(weights.WeightsError, match=r"init_from_exclude='Head/\.\*' matches no "
                                                    "parameter"):
         prepare.setup(config)
+
+
+def test_the_committed_transfer_measurement_holds_every_way_over_its_seeds():
+    result = json.loads((REPO / "benchmarks" / "results" / "transfer_cpu.json").read_text())
+    for way in ("scratch", "finetune", "frozen"):
+        values = result[f"{way}_accuracy"]
+        assert len(values) == len(result["seeds"]) == 3 and all(0 < v < 1 for v in values)
+        assert result[f"{way}_accuracy_mean"] == pytest.approx(np.mean(values))
+    assert result["target_train_images"] == 1000 and result["target_test_images"] == 5000
