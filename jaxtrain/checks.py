@@ -290,6 +290,11 @@ RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
                      "data.workers")
 
 
+# A parameter group's settings that jaxtrain.defaults.param_group added after some runs
+# were saved, with the value those runs had.
+GROUP_DEFAULTS = {"freeze": False}
+
+
 def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) of every key whose change alters training, between
     a workdir's config.json and `config`. Keys the saved run did not have are skipped."""
@@ -317,6 +322,9 @@ def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:
             continue
         if key not in old and not key.startswith("optimizer.groups."):
             continue  # a key newer than the saved run
+        if (key not in old and key.startswith("optimizer.groups.")
+                and GROUP_DEFAULTS.get(key.rsplit(".", 1)[1], object()) == new[key]):
+            continue  # a group setting newer than the saved run, at its default
         before, after = old.get(key, "(not set)"), new.get(key, "(not set)")
         if _normal(before) != _normal(after):
             changes.append((key, before, after))

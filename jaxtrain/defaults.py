@@ -162,7 +162,7 @@ def param_group(params: str, **settings) -> ml_collections.ConfigDict:
     (name, momentum, weight_decay, ...) overrides the top-level value. freeze=True: the
     group is never updated and keeps no optimiser state (a frozen pretrained backbone).
     """
-    return ml_collections.ConfigDict({"params": params, "lr_scale": 1.0, "train_steps": 0,
+    return ml_collections.ConfigDict({"params": params, "lr_scale": 1.0, "train_steps": 0, "freeze": False,
                                       **settings})
 
 

@@ -185,11 +185,11 @@ def torchvision_resnet18_file(tmp_path_factory):
     return path
 
 
-def test_a_new_class_count_reinitialises_the_head_and_says_so(arrays_64, tmp_path,
+def test_a_new_class_count_reinitialises_the_head_and_says_so(arrays_32, tmp_path,
                                                               torchvision_resnet18_file):
     workdir = tmp_path / "run"
     result = run_main("--config=configs/folder.py", f"--workdir={workdir}",
-                      f"--config.data.dir={arrays_64}", "--config.model.stem=imagenet",
+                      f"--config.data.dir={arrays_32}", "--config.model.stem=imagenet",
                       f"--config.model.init_from={torchvision_resnet18_file}", *SMALL_RUN)
     assert result.returncode == 0, result.stderr[-2000:]
     line = (f"initialised from {torchvision_resnet18_file}: 100 tensors loaded; "
@@ -322,7 +322,7 @@ def test_init_from_is_read_at_step_0_only_and_resume_stays_exact(cifar_workdir,
     source = tmp_path / "source"
     shutil.copytree(cifar_workdir, source)
     flags = (*SEED_RUN, f"--config.data.dir={cifar_batches_dir}", f"--config.model.init_from={source}",
-             "--config.train.num_steps=300", "--config.checkpoint.every_steps=100",
+             "--config.train.num_steps=200", "--config.checkpoint.every_steps=50",
              "--config.eval.every_epochs=0")
     reference = run_main(*flags, f"--workdir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr[-2000:]
@@ -484,3 +484,15 @@ def test_the_committed_transfer_measurement_holds_every_way_over_its_seeds():
         assert len(values) == len(result["seeds"]) == 3 and all(0 < v < 1 for v in values)
         assert result[f"{way}_accuracy_mean"] == pytest.approx(np.mean(values))
     assert result["target_train_images"] == 1000 and result["target_test_images"] == 5000
+
+
+def test_a_run_saved_before_freeze_existed_resumes_and_freezing_it_is_a_change():
+    from jaxtrain import checks
+    config = get_config()
+    config.optimizer.groups.head = param_group(r"Dense_0/.*", lr_scale=10.0)
+    saved = config.to_dict()
+    del saved["optimizer"]["groups"]["head"]["freeze"]  # as param_group wrote it before
+    assert checks.recipe_changes(saved, config) == []
+    config.optimizer.groups.head.freeze = True
+    assert checks.recipe_changes(saved, config) == [
+        ("optimizer.groups.head.freeze", "(not set)", True)]
