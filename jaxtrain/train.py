@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxtrain import augment, input, models
+from jaxtrain import augment, input, models, optim
 
 
 class TrainState(train_state.TrainState):
@@ -52,8 +52,8 @@ def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=N
         variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
         if initial:
             variables = {collection: jax.tree_util.tree_map_with_path(
-                lambda path, leaf, c=collection: initial.get(
-                    c + "/" + "/".join(str(getattr(k, "key", k)) for k in path), leaf), tree)
+                lambda path, leaf, c=collection: initial.get(f"{c}/{optim.param_path(path)}",
+                                                             leaf), tree)
                 for collection, tree in variables.items()}
         params = variables["params"]
         if stem_kernel is not None:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.optim import param_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # what torchvision's and most timm ResNets were trained on
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -239,12 +240,8 @@ def read_jaxtrain(step_dir: str, label: str) -> dict:
     tensors = {}
     for collection in ("params", "batch_stats"):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree.get(collection) or {}):
-            tensors[f"{collection}/{_key_path(path)}"] = np.asarray(leaf)
+            tensors[f"{collection}/{param_path(path)}"] = np.asarray(leaf)
     return tensors
-
-
-def _key_path(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 # ---------------------------------------------------------------- torch names -> Flax paths
@@ -353,7 +350,7 @@ def apply(tensors: dict, layout: str, variables: dict, model_name: str, label: s
     (model.init_from_exclude) matches; anything else that does not fit raises
     WeightsError."""
     params = variables["params"]
-    ours = {f"{collection}/{_key_path(p)}": leaf for collection in ("params", "batch_stats")
+    ours = {f"{collection}/{param_path(p)}": leaf for collection in ("params", "batch_stats")
             for p, leaf in jax.tree_util.tree_leaves_with_path(variables.get(collection) or {})}
     if layout == "torch":
         names = torch_paths(model_name, params)

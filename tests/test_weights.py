@@ -17,6 +17,7 @@ import pytest
 
 from jaxtrain import checkpoint, prepare, train, weights
 from jaxtrain.defaults import get_config, param_group
+from jaxtrain.optim import param_path
 
 REPO = Path(__file__).resolve().parents[1]
 torch = pytest.importorskip("torch")
@@ -298,7 +299,7 @@ def folder_config(folder, init_from):
 def test_a_cifar_run_starts_a_five_class_folder_run(cifar_workdir, five_class_folder):
     run = prepare.setup(folder_config(five_class_folder, cifar_workdir))
     source = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(cifar_workdir), ""), "")
-    flat = {f"{c}/{weights._key_path(p)}": np.asarray(leaf)
+    flat = {f"{c}/{param_path(p)}": np.asarray(leaf)
             for c, tree in (("params", run.state.params), ("batch_stats", run.state.batch_stats))
             for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
     head = [k for k in flat if k.startswith("params/Dense_2/")]
@@ -376,7 +377,7 @@ def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
     assert int(json.loads((Path(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""))
                            / "meta" / "metadata").read_text())["step"]) == 10
     for key, value in jax.tree_util.tree_leaves_with_path(start.state.params):
-        path = "params/" + weights._key_path(key)
+        path = "params/" + param_path(key)
         if path.startswith("params/Dense_2/"):
             assert not np.array_equal(end[path], np.asarray(value)), path  # trained
         else:
@@ -384,7 +385,7 @@ def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
     statistics = jax.tree_util.tree_leaves_with_path(start.state.batch_stats)
     assert len(statistics) == 8  # mean and var of four BatchNorm layers
     for key, value in statistics:
-        path = "batch_stats/" + weights._key_path(key)
+        path = "batch_stats/" + param_path(key)
         assert np.asarray(value).tobytes() == end[path].tobytes(), path
 
 
@@ -394,9 +395,9 @@ def test_without_freezing_the_statistics_move(cifar_workdir, five_class_folder, 
     start = prepare.setup(config)
     loop.train_and_evaluate(config, str(tmp_path / "run"))
     end = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
-    moved = [weights._key_path(k) for k, v in
+    moved = [param_path(k) for k, v in
              jax.tree_util.tree_leaves_with_path(start.state.batch_stats)
-             if not np.array_equal(np.asarray(v), end["batch_stats/" + weights._key_path(k)])]
+             if not np.array_equal(np.asarray(v), end["batch_stats/" + param_path(k)])]
     assert len(moved) == 8
 
 
