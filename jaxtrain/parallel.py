@@ -165,12 +165,16 @@ SERVICE_PROCESS = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the trainers
 address, count, heartbeat, parent, grace = sys.argv[1:]
+grace = [float(grace)]  # process 0 lost: the others notice it is gone, say so and stop
+def finished(*_):  # process 0 ends normally: the others are leaving JAX's shutdown barrier
+    grace[0] = 5.0  # too, and a service gone before they have is a native abort there
+signal.signal(signal.SIGTERM, finished)
 from jax._src.lib import _jax
 service = _jax.get_distributed_runtime_service(address, int(count),
                                                heartbeat_timeout=int(heartbeat))
 while os.getppid() == int(parent):
     time.sleep(0.5)
-time.sleep(float(grace))  # the others notice process 0 is gone, say so and stop
+time.sleep(grace[0])
 service.shutdown()
 """
 
@@ -191,8 +195,8 @@ def coordination_service_apart(settings: dict, peer_timeout: float):
     process then terminates natively (a C++ `Check failure`, exit 134) within a
     second. Hosted apart, it outlives process 0 by a grace period, in which the other
     processes' heartbeat watch sees process 0 silent and stops them with a message
-    (exit PEER_LOST). The helper ends when process 0 exits normally, else after that
-    grace period once process 0 is gone.
+    (exit PEER_LOST). The helper ends a few seconds after process 0 exits normally
+    (the others leave JAX's shutdown barrier by then), else after that grace period.
     """
     from jax._src import distributed
     module = getattr(distributed, "_jax", None)
@@ -208,9 +212,9 @@ def coordination_service_apart(settings: dict, peer_timeout: float):
                                str(2 * peer_timeout + 10)],
                               start_new_session=True, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    def stop_service():  # at a normal exit: JAX's shutdown barrier first, then the service
-        jax.distributed.shutdown()  # (JAX's own exit handler then has nothing left to do)
-        helper.terminate()
+    def stop_service():  # at a normal exit: JAX's shutdown barrier, then the service
+        jax.distributed.shutdown()  # goes a few seconds later, when the others are out of
+        helper.terminate()  # it too (JAX's own exit handler then has nothing left to do)
     atexit.register(stop_service)
     module.get_distributed_runtime_service = lambda *args, **kwargs: _ServiceElsewhere()
     try:
