@@ -58,7 +58,7 @@ class SeedCNN(nn.Module):
                 x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
                                  dtype=self.dtype)(x)
             x = nn.relu(x)
-            x = nn.max_pool(x, (2, 2), strides=(2, 2))
+            x = nn.max_pool(x, window_shape=(2, 2), strides=(2, 2))
         x = x.reshape((x.shape[0], -1))
         for features in (120, 84, self.num_classes):
             dense = nn.Dense(features, dtype=self.dtype,
@@ -141,7 +141,7 @@ class ConvBlock(nn.Module):
             return nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False,
                            kernel_init=conv_kernel_init(self.conv_init), dtype=self.dtype)(y)
 
-        x = nn.max_pool(conv(x), (2, 2), strides=(2, 2))
+        x = nn.max_pool(conv(x), window_shape=(2, 2), strides=(2, 2))
         x = act(bn(x))
         x = act(bn(conv(x)))
         return x
@@ -328,7 +328,7 @@ class ResNet(nn.Module):
         if stem == "imagenet":
             x = resnet_conv(self.width, 7, 2, self.dtype)(x)
             x = nn.relu(resnet_norm(train, self.dtype)(x))
-            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+            x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         else:
             x = resnet_conv(self.width, 3, 1, self.dtype)(x)
             x = nn.relu(resnet_norm(train, self.dtype)(x))

@@ -90,7 +90,7 @@ def write_tar(archive, members):
 # with two workers (-n 2 --dist worksteal) the rest fill in around them instead of one
 # of them running alone at the end.
 LONGEST_FIRST = ('test_h200.py', 'test_parallel.py', 'test_checkpoint.py', 'test_input.py',
-                 'test_weights.py')
+                 'test_weights.py', 'test_export.py')
 
 
 def pytest_collection_modifyitems(items):

@@ -132,6 +132,48 @@ def load_folder(path, image_size=None, resize: str = 'crop', channels: int = 3, 
     return Dataset(*arrays, class_names=class_names, origin=origin)
 
 
+def find_images(paths) -> tuple[list[str], list[tuple[str, str]]]:
+    """The image files `paths` name, and (path, why) for each path that names none.
+
+    A file is taken as given (its decoder is still one of JPEG, PNG, BMP, WebP); a
+    folder is walked recursively in name order for files with an image extension,
+    hidden entries skipped, as the training folders are. For jaxtrain.predict: the
+    user's own files, so links are followed wherever they lead.
+    """
+    found, missing = [], []
+    for path in map(str, paths):
+        if os.path.isdir(path):
+            before = len(found)
+            for directory, folders, names in os.walk(path, followlinks=True):
+                folders[:] = sorted(f for f in folders if not f.startswith('.'))
+                found.extend(os.path.join(directory, name) for name in sorted(names)
+                             if not name.startswith('.')
+                             and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS)
+            if len(found) == before:
+                missing.append((path, f'no image files ({", ".join(IMAGE_EXTENSIONS)}) in it'))
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            missing.append((path, 'no such file or folder'))
+    return found, missing
+
+
+def decode_image(path, shape, channels: int = 3, resize: str = 'crop',
+                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """One image file -> uint8 (h, w, channels) of `shape` (h, w), decoded and resized
+    exactly as load_folder decodes a training folder's files (any size in; DataError
+    naming the file for one that cannot be read)."""
+    Image = _pil()
+    if resize not in RESIZE_MODES:
+        raise DataError(f'resize must be one of {", ".join(RESIZE_MODES)}, got {resize!r}')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', Image.DecompressionBombWarning)
+        image = _decode_file(str(path), tuple(shape), channels, resize, max_pixels, None)
+    if image.ndim == 2:  # grey: (h, w, 1), or replicated to RGB as load_folder's arrays are
+        image = np.repeat(image[:, :, None], channels, axis=2)
+    return image
+
+
 def _check_args(image_size, resize, channels, workers, max_pixels) -> tuple[int, int] | None:
     """Validate the settings; return the target (height, width) or None."""
     if resize not in RESIZE_MODES:

@@ -1,0 +1,103 @@
+"""Classify image files with a trained run: `python -m jaxtrain.predict WORKDIR PATH...`.
+
+PATHs are image files or folders of them (walked recursively; JPEG, PNG, BMP,
+WebP in any mode and size), decoded and resized as the run's data were, and
+printed one line per image: the path, then the --top most probable classes with
+their probabilities (--json: one JSON object per line). A file that cannot be
+read is one line on stderr; the others are still classified, and the exit
+status is then 1. A WORKDIR without a checkpoint, or a bad flag: one line, exit 2.
+"""
+import json
+import sys
+
+from absl import app, flags, logging
+
+from jaxtrain.cli import usage_error
+
+FLAGS = flags.FLAGS
+FAILED = 1  # exit status: some files could not be classified (the rest were)
+
+
+def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None):
+    """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)."""
+    from jaxtrain import inference
+    step, which = None, "latest"
+    if checkpoint_flag == "best":
+        which = "best"
+    elif checkpoint_flag is not None:
+        if not checkpoint_flag.strip().isdigit():
+            raise ValueError(f"--checkpoint={checkpoint_flag}: expected a step number or 'best'")
+        step = int(checkpoint_flag)
+        check_step(workdir, step)
+    return inference.restore(workdir, step=step, which=which, weights=weights, tta=tta,
+                             precision=precision)
+
+
+def check_step(workdir: str, step: int) -> None:
+    from jaxtrain import checkpoint
+    saved = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    if step not in saved:
+        raise checkpoint.CheckpointError(
+            f"--checkpoint={step}: no such step in {checkpoint.checkpoint_dir(workdir)} "
+            f"(saved steps: {', '.join(map(str, saved)) or 'none'})")
+
+
+def format_line(path: str, top: list[tuple[str, float]]) -> str:
+    return f"{path}: " + ", ".join(f"{name} {probability:.4f}" for name, probability in top)
+
+
+def format_json(path: str, label: int, top: list[tuple[str, float]], class_names) -> str:
+    return json.dumps({"path": path, "label": label, "class": class_names[label],
+                       "top": [{"class": name, "label": class_names.index(name),
+                                "probability": round(probability, 6)}
+                               for name, probability in top]})
+
+
+def main(argv):
+    from jaxtrain import checkpoint
+    logging.set_verbosity(logging.WARNING)  # Orbax's restore logs a page at INFO
+    if len(argv) < 3:
+        usage_error("usage: python -m jaxtrain.predict WORKDIR PATH... [--top=3] "
+                    "[--checkpoint=STEP|best] [--json]")
+    workdir, paths = argv[1], argv[2:]
+    try:
+        classifier = restore_for(workdir, FLAGS.checkpoint, FLAGS.weights, FLAGS.tta)
+    except (checkpoint.CheckpointError, ValueError) as error:
+        usage_error(str(error).splitlines()[0])
+    result = classifier.predict_files(paths)
+    for path, why in result.errors:
+        print(f"error: {path}: {why}" if not why.startswith(path) else f"error: {why}",
+              file=sys.stderr)
+    k = min(FLAGS.top, len(result.class_names))
+    for i, path in enumerate(result.paths):
+        top = result.top(i, k)
+        print(format_json(path, int(result.labels[i]), top, result.class_names) if FLAGS.json
+              else format_line(path, top))
+    sys.stdout.flush()
+    sys.exit(FAILED if result.errors else 0)
+
+
+def define_flags():
+    flags.DEFINE_integer("top", 3, "How many of the most probable classes to print per image.",
+                         lower_bound=1)
+    flags.DEFINE_string("checkpoint", None, "A step number, or 'best' (the run's "
+                        "checkpoint.best_metric), instead of the newest checkpoint.")
+    flags.DEFINE_enum("weights", "raw", ["raw", "ema"], "ema: the moving average of the weights "
+                      "a train.ema_decay run kept.")
+    flags.DEFINE_enum("tta", None, ["none", "flip", "flip_translate"],
+                      "Test-time augmentation (default: the run's eval.tta).")
+    flags.DEFINE_bool("json", False, "One JSON object per line: path, label, class, top "
+                      "[{class, label, probability}].")
+
+
+def parse_flags(argv):
+    """absl's parsing with one-line errors (exit status 2), for this CLI and export's."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        usage_error(str(error).splitlines()[0])
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=parse_flags)

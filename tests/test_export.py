@@ -1,0 +1,250 @@
+"""jaxtrain.export: every built-in model, after a short run, as ONNX (checked by
+onnxruntime) and StableHLO (checked by jax.export in a process without Flax or
+jaxtrain), both matching restore().predict on real CIFAR-10 test images."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtrain
+from jaxtrain import export, loop, models
+from jaxtrain.defaults import get_config
+
+REPO = Path(__file__).resolve().parents[1]
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("jax2onnx")
+
+PROBABILITY_ATOL = 1e-4  # float32 throughout
+N_IMAGES = 37  # an odd batch: the dynamic batch dimension is not a multiple of anything
+
+
+@pytest.fixture(scope="module")
+def arrays_npz(tmp_path_factory, cifar_subset):
+    """Real CIFAR-10 images as a data.name='arrays' file: 64 training, 40 test."""
+    path = tmp_path_factory.mktemp("arrays") / "cifar.npz"
+    np.savez(path, x_train=cifar_subset["x_train"][:64], y_train=cifar_subset["y_train"][:64],
+             x_test=cifar_subset["x_test"][:40], y_test=cifar_subset["y_test"][:40],
+             class_names=np.array(cifar_subset["class_names"]))
+    return path
+
+
+def short_run_config(npz, model_name, **changes):
+    config = get_config()
+    config.data.name = "arrays"
+    config.data.dir = str(npz)
+    config.model.name = model_name
+    if model_name == "cifar_cnn":
+        config.model.stem_init = "whiten"
+    if model_name == "seed_cnn":
+        config.model.batch_norm = True
+    config.train.precision = "float32"
+    config.train.batch_size = 16
+    config.train.num_steps = 2
+    config.optimizer.learning_rate = 0.01
+    for key, value in changes.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return config
+
+
+RUNS = {}  # model name -> workdir, shared by this module's tests
+
+
+@pytest.fixture(scope="module")
+def run_of(arrays_npz, tmp_path_factory):
+    def run(model_name):
+        if model_name not in RUNS:
+            workdir = str(tmp_path_factory.mktemp(f"run_{model_name}"))
+            loop.train_and_evaluate(short_run_config(arrays_npz, model_name), workdir)
+            RUNS[model_name] = workdir
+        return RUNS[model_name]
+    return run
+
+
+@pytest.fixture(scope="module")
+def test_images(cifar_subset):
+    return cifar_subset["x_test"][100:100 + N_IMAGES]
+
+
+def run_onnx(path, images):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"images": images})[0]
+
+
+# Run in a fresh interpreter whose imports of Flax, optax, Orbax and jaxtrain fail:
+# what a serving process that only has JAX would see.
+NO_FLAX = """
+import sys
+BLOCKED = ("flax", "jaxtrain", "optax", "orbax")
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked in this process")
+sys.meta_path.insert(0, Block())
+import jax, numpy as np
+exported = jax.export.deserialize(open(sys.argv[1], "rb").read())
+images = np.load(sys.argv[2])
+np.save(sys.argv[3], np.asarray(exported.call(images)))
+np.save(sys.argv[4], np.asarray(exported.call(images[:1])))
+assert not any(m.split(".")[0] in BLOCKED for m in sys.modules), sorted(sys.modules)
+print(exported.platforms)
+"""
+
+
+def run_stablehlo_without_flax(path, images, tmp_path):
+    np.save(tmp_path / "images.npy", images)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", NO_FLAX, str(path), str(tmp_path / "images.npy"),
+                             str(tmp_path / "all.npy"), str(tmp_path / "one.npy")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return np.load(tmp_path / "all.npy"), np.load(tmp_path / "one.npy"), result.stdout
+
+
+# Wider or deeper versions of the models above, through the same export code: their
+# StableHLO is checked in this process (the no-Flax process is checked on the others).
+VARIANTS = ("resnet34", "vit_small", "vit_base")
+
+
+@pytest.mark.parametrize("model_name", models.MODEL_NAMES)
+def test_every_built_in_model_exports_both_ways_and_matches_predict(
+        model_name, run_of, test_images, tmp_path):
+    workdir = run_of(model_name)
+    classifier = jaxtrain.restore(workdir)
+    labels, expected = classifier.predict(test_images)
+
+    onnx_file = tmp_path / "model.onnx"
+    description = export.save(classifier, "onnx", str(onnx_file))
+    probabilities = run_onnx(onnx_file, test_images)
+    np.testing.assert_allclose(probabilities, expected, atol=PROBABILITY_ATOL, rtol=0)
+    np.testing.assert_array_equal(probabilities.argmax(-1), labels)
+    np.testing.assert_allclose(run_onnx(onnx_file, test_images[:1]), expected[:1],
+                               atol=PROBABILITY_ATOL, rtol=0)
+    assert description["input"]["shape"] == [None, 32, 32, 3]
+    assert description["run"]["model"] == model_name
+    assert json.loads((tmp_path / "model.onnx.json").read_text()) == description
+
+    hlo_file = tmp_path / "model.stablehlo"
+    export.save(classifier, "stablehlo", str(hlo_file))
+    if model_name in VARIANTS:  # (XLA takes ~8 s per batch size to compile ViT-B's constants)
+        exported = jax.export.deserialize(hlo_file.read_bytes())
+        everything, platforms = exported.call(test_images), exported.platforms
+    else:
+        everything, first, platforms = run_stablehlo_without_flax(hlo_file, test_images, tmp_path)
+        np.testing.assert_allclose(first, expected[:1], atol=PROBABILITY_ATOL, rtol=0)
+    np.testing.assert_allclose(everything, expected, atol=PROBABILITY_ATOL, rtol=0)
+    np.testing.assert_array_equal(np.argmax(everything, -1), labels)
+    assert "cuda" in platforms and "cpu" in platforms
+
+
+def test_a_fixed_batch_and_tta_inside_the_export(run_of, test_images, tmp_path):
+    workdir = run_of("resnet18")
+    _, expected = jaxtrain.restore(workdir, tta="flip").predict(test_images[:5])
+    _, plain = jaxtrain.restore(workdir, tta="none").predict(test_images[:5])
+    assert np.abs(expected - plain).max() > 1e-3  # the flip changes something to check
+    out = tmp_path / "fixed.onnx"
+    description = export.export(workdir, "onnx", str(out), batch=5, tta="flip")
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == [5, 32, 32, 3]
+    assert session.get_inputs()[0].type == "tensor(uint8)"
+    np.testing.assert_allclose(session.run(None, {"images": test_images[:5]})[0], expected,
+                               atol=PROBABILITY_ATOL, rtol=0)
+    assert description["tta"] == "flip" and description["input"]["shape"][0] == 5
+    with pytest.raises(Exception):  # a fixed batch is fixed
+        session.run(None, {"images": test_images[:6]})
+
+
+def test_a_bfloat16_run_exports_float32_by_default(arrays_npz, test_images, tmp_path):
+    workdir = str(tmp_path / "bf16")
+    loop.train_and_evaluate(short_run_config(arrays_npz, "cifar_cnn", train__precision="bfloat16"),
+                            workdir)
+    _, expected = jaxtrain.restore(workdir, precision="float32").predict(test_images)
+    _, bfloat16 = jaxtrain.restore(workdir).predict(test_images)
+    assert np.abs(expected - bfloat16).max() > 1e-5  # the two precisions do differ
+    description = export.export(workdir, "onnx", str(tmp_path / "m.onnx"))
+    assert description["precision"] == "float32"
+    np.testing.assert_allclose(run_onnx(tmp_path / "m.onnx", test_images), expected,
+                               atol=PROBABILITY_ATOL, rtol=0)
+    with pytest.raises(export.ExportError, match="float32"):
+        export.export(workdir, "onnx", str(tmp_path / "b.onnx"), precision="bfloat16")
+
+
+class HostLookupNet(nn.Module):
+    """A user's model that calls host code at inference (jax.pure_callback), which
+    neither ONNX nor a serialised StableHLO module can carry."""
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(self.num_classes)(x.reshape((x.shape[0], -1)))
+        if train:
+            return x
+        return jax.pure_callback(lambda a: np.tanh(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def test_an_operation_the_exporter_cannot_take_is_one_line_naming_it(arrays_npz, tmp_path):
+    config = short_run_config(arrays_npz, "mlp")
+    loop.train_and_evaluate(config, str(tmp_path / "run"), model=HostLookupNet())
+    classifier = jaxtrain.restore(str(tmp_path / "run"), model=HostLookupNet())
+    with pytest.raises(export.ExportError) as error:
+        export.to_onnx(classifier)
+    message = str(error.value)
+    assert "'pure_callback'" in message and "\n" not in message
+    with pytest.raises(export.ExportError) as error:
+        export.to_stablehlo(classifier)
+    assert str(error.value).startswith("StableHLO export for cpu, cuda failed: ")
+    assert "\n" not in str(error.value)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxtrain.export", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_writes_the_file_and_its_json(run_of, test_images, tmp_path):
+    workdir = run_of("mlp")
+    result = cli(workdir, "--format=onnx", f"--out={tmp_path / 'mlp.onnx'}", "--batch=3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"wrote {tmp_path / 'mlp.onnx'} (")
+    assert "DEBUG" not in result.stdout + result.stderr and "WARNING" not in result.stderr
+    description = json.loads((tmp_path / "mlp.onnx.json").read_text())
+    assert description["class_names"][:2] == ["airplane", "automobile"]
+    assert description["input"] == {"name": "images", "dtype": "uint8", "layout": "NHWC",
+                                    "shape": [3, 32, 32, 3]}
+    assert description["run"]["workdir"] == os.path.abspath(workdir)
+    np.testing.assert_allclose(run_onnx(tmp_path / "mlp.onnx", test_images[:3]),
+                               jaxtrain.restore(workdir).predict(test_images[:3])[1],
+                               atol=PROBABILITY_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["no checkpoint", "not a run", "unknown format",
+                                  "unwritable out", "out is a folder", "unknown step"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, run_of, tmp_path):
+    workdir = run_of("mlp")
+    out = tmp_path / "out" / "model.onnx"
+    out.parent.mkdir()
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    (empty_run / "config.json").write_text(Path(workdir, "config.json").read_text())
+    args = {"no checkpoint": (empty_run, "--format=onnx", f"--out={out}"),
+            "not a run": (tmp_path / "nowhere", "--format=onnx", f"--out={out}"),
+            "unknown format": (workdir, "--format=tflite", f"--out={out}"),
+            "unwritable out": (workdir, "--format=onnx", f"--out={tmp_path / 'missing' / 'm.onnx'}"),
+            "out is a folder": (workdir, "--format=stablehlo", f"--out={out.parent}"),
+            "unknown step": (workdir, "--format=onnx", f"--out={out}", "--checkpoint=7")}[case]
+    result = cli(*args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    expected = {"no checkpoint": "no checkpoint in", "not a run": "not a jaxtrain run",
+                "unknown format": "--format", "unwritable out": "no folder",
+                "out is a folder": "is a folder", "unknown step": "saved steps: 2"}[case]
+    assert expected in lines[0]
+    assert list(out.parent.iterdir()) == [] and not (tmp_path / "missing").exists()
