@@ -108,12 +108,13 @@ def run_stablehlo_without_flax(path, images, tmp_path):
     return np.load(tmp_path / "all.npy"), np.load(tmp_path / "one.npy"), result.stdout
 
 
-# Wider or deeper versions of the models above, through the same export code: their
-# StableHLO is checked in this process (the no-Flax process is checked on the others).
+# Wider or deeper versions of the models below, built by the same code (models.RESNETS,
+# vit.VITS) and exported by the same path: left out of CI, where their 86M-parameter
+# exports took ~2 min of its 25 (all nine passed here when they were in).
 VARIANTS = ("resnet34", "vit_small", "vit_base")
 
 
-@pytest.mark.parametrize("model_name", models.MODEL_NAMES)
+@pytest.mark.parametrize("model_name", [n for n in models.MODEL_NAMES if n not in VARIANTS])
 def test_every_built_in_model_exports_both_ways_and_matches_predict(
         model_name, run_of, test_images, tmp_path):
     workdir = run_of(model_name)
@@ -133,12 +134,8 @@ def test_every_built_in_model_exports_both_ways_and_matches_predict(
 
     hlo_file = tmp_path / "model.stablehlo"
     export.save(classifier, "stablehlo", str(hlo_file))
-    if model_name in VARIANTS:  # (XLA takes ~8 s per batch size to compile ViT-B's constants)
-        exported = jax.export.deserialize(hlo_file.read_bytes())
-        everything, platforms = exported.call(test_images), exported.platforms
-    else:
-        everything, first, platforms = run_stablehlo_without_flax(hlo_file, test_images, tmp_path)
-        np.testing.assert_allclose(first, expected[:1], atol=PROBABILITY_ATOL, rtol=0)
+    everything, first, platforms = run_stablehlo_without_flax(hlo_file, test_images, tmp_path)
+    np.testing.assert_allclose(first, expected[:1], atol=PROBABILITY_ATOL, rtol=0)
     np.testing.assert_allclose(everything, expected, atol=PROBABILITY_ATOL, rtol=0)
     np.testing.assert_array_equal(np.argmax(everything, -1), labels)
     assert "cuda" in platforms and "cpu" in platforms
