@@ -45,7 +45,7 @@ def probabilities_function(classifier, tta: str = "none"):
     state = classifier.state
 
     def probabilities(images):
-        return jax.nn.softmax(classifier.logits(state, images, tta=tta), axis=-1)
+        return classifier.probabilities(state, images, tta=tta)
 
     return probabilities
 

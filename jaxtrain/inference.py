@@ -45,12 +45,16 @@ class Classifier:
         self.resize = resize  # how files are fitted to image_shape (the run's data.resize)
         self.batch_size = batch_size
         self.workdir, self.weights, self.precision = workdir, weights, precision  # its origin
-        self._logits = jax.jit(functools.partial(self.logits, tta=tta))
+        self._probabilities = jax.jit(functools.partial(self.probabilities, tta=tta))
 
     def logits(self, state, images, tta: str):
         """The pure function predict compiles: uint8 images -> TTA-averaged logits."""
         return train.predict_logits(state, images, mean=self.mean, std=self.std, tta=tta,
                                     pad_mode=self.pad_mode)
+
+    def probabilities(self, state, images, tta: str):
+        """logits -> softmax, in the same compiled program (one dispatch per batch)."""
+        return jax.nn.softmax(self.logits(state, images, tta), axis=-1)
 
     def predict(self, images):
         """Returns (labels int32 (N,), probabilities float32 (N, classes))."""
@@ -60,7 +64,7 @@ class Classifier:
                              f"got {images.dtype} {images.shape}")
         batches = [images[i:i + self.batch_size] for i in range(0, len(images), self.batch_size)]
         probabilities = np.concatenate(
-            [np.asarray(jax.nn.softmax(self._logits(self.state, batch))) for batch in batches]
+            [np.asarray(self._probabilities(self.state, batch)) for batch in batches]
             or [np.zeros((0, len(self.class_names)), np.float32)])
         return probabilities.argmax(-1).astype(np.int32), probabilities
 

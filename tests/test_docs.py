@@ -16,7 +16,8 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Each command's module, for its flags (absl DEFINE_* calls in these files).
 COMMANDS = {"main.py": "jaxtrain/__main__.py", "jaxtrain": "jaxtrain/__main__.py",
             "jaxtrain.bench": "jaxtrain/bench.py", "jaxtrain.compare": "jaxtrain/compare.py",
-            "jaxtrain.predict": None, "jaxtrain.data": None}
+            "jaxtrain.predict": "jaxtrain/predict.py",
+            "jaxtrain.export": "jaxtrain/export.py", "jaxtrain.data": None}
 DYNAMIC_KEYS = ("model.kwargs", "optimizer.groups.", "callbacks.")
 ABSL_FLAGS = {"helpfull", "help", "flagfile"}
 
