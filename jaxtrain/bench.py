@@ -4,6 +4,7 @@
         [--devices=N] [--compilation_cache=DIR] [--whole_process]
     python -m jaxtrain.bench --config=configs/cifar.py --inspect [--profile=DIR] [--json=FILE]
     python -m jaxtrain.bench --config=configs/imagenet_resnet50.py --input-only [--batches=N]
+    python -m jaxtrain.bench --config=configs/imagenet_resnet50.py --memory [--json=FILE]
 
 The benchmark times what the public PyTorch speedruns time: from the first
 training step to the final test accuracy, data already on the device,
@@ -37,6 +38,10 @@ whatever the config says): the config's batches read, decoded, augmented on
 the host and put on the devices, with no training step, so its images/s is
 the most a streamed run could train at. The first batch (worker start-up) is
 timed apart.
+
+--memory compiles the config's train step for shapes only and prints what it
+needs per device (jaxtrain/memory.py): the effect of train.accumulate_steps,
+model.remat and parallel.fsdp, seen before a run is started.
 """
 import os
 import time
@@ -107,16 +112,18 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     """Compiles one train step of `config`, reports its kernels, FLOPs and speed; with
     `profile_dir`, also traces one more chunk of `steps` steps there and lists the XLA ops
     that took the most time. The step time is the fastest of `repeats` timed chunks."""
-    run = device_resident(prepare.setup(config), "--inspect")
-    prepare.check_batch_split(config.train.batch_size, run.mesh)
+    mesh = prepare.create_mesh(config)
+    prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
+    run = device_resident(prepare.setup(config, mesh), "--inspect")
     x_train, y_train = prepare.put_train_data(run)
     step_kwargs = prepare.step_arguments(config, run)
     replicated = parallel.replicated(run.mesh)
+    out_sharding = (prepare.state_sharding(run), replicated)
     order = train.epoch_order_fn(len(x_train), step_kwargs, replicated)(run.data_key, np.int32(0))
 
     start = time.perf_counter()
     step_fn = jax.jit(functools.partial(train.train_step_at, **step_kwargs), donate_argnums=0,
-                      out_shardings=replicated)
+                      out_shardings=out_sharding)
     lowered = step_fn.lower(run.state, np.int32(0), x_train, y_train, *order)
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
@@ -127,7 +134,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     loop = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
     steps = max(1, min(steps, run.steps_per_epoch))
     run_chunk = train.compile_chunks(loop, run.state, x_train, y_train, run.data_key,
-                                     {steps}, step_kwargs, replicated)
+                                     {steps}, step_kwargs, out_sharding)
     state = jax.tree.map(jnp.copy, run.state)  # the step donates its input
     state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))  # warm-up
     timings = []
@@ -258,8 +265,12 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
     on the first `devices` devices. progress(summary), if given, is called with the
     summary so far after compiling and after every run (--json writes it each time, so
     a benchmark stopped part-way still reports its compile time and finished runs)."""
+    if config.parallel.fsdp > 1:
+        raise UsageError("the speedrun benchmark times replicated runs; parallel.fsdp is for "
+                         "main.py, --inspect and --memory")
     mesh = parallel.create_mesh(select_devices(devices))
-    prepare.check_batch_split(config.train.batch_size, mesh)  # before loading any data
+    prepare.check_batch_split(config.train.batch_size, mesh,  # before loading any data
+                              config.train.accumulate_steps)
     run = device_resident(prepare.setup(config, mesh, abstract_state=True), "the benchmark")
     x_train, y_train = prepare.put_train_data(run)
     eval_arrays = prepare.put_eval_data(config, run)
@@ -448,6 +459,10 @@ def main(argv):
         if input_only_flag and (FLAGS.inspect or FLAGS.whole_process):
             raise UsageError("--input-only times the input pipeline alone; drop --inspect "
                              "and --whole_process")
+        if FLAGS.memory and (FLAGS.inspect or input_only_flag or FLAGS.whole_process
+                             or FLAGS["devices"].present):
+            raise UsageError("--memory compiles one step for every device and runs nothing; "
+                             "drop --inspect, --input-only, --whole_process and --devices")
         if FLAGS.profile and not FLAGS.inspect:
             raise UsageError("--profile traces the steps --inspect compiles; add --inspect")
         if FLAGS.whole_process:
@@ -458,7 +473,12 @@ def main(argv):
             if FLAGS.compilation_cache:
                 enable_compilation_cache(FLAGS.compilation_cache)
             parallel.initialize(*distributed)
-            if input_only_flag:
+            if FLAGS.memory:
+                from jaxtrain import memory
+                result = memory.step_memory(FLAGS.config)
+                if parallel.is_main_process():
+                    print(memory.describe(result), flush=True)
+            elif input_only_flag:
                 result = input_only(FLAGS.config, FLAGS.batches)
             elif FLAGS.inspect:
                 result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile, FLAGS.repeats)
@@ -536,6 +556,9 @@ def define_flags():
                          "fastest.", lower_bound=1)
     flags.DEFINE_bool("input-only", False, "Time the streaming input pipeline alone "
                       "(images/s read, decoded and put on the devices; no training).")
+    flags.DEFINE_bool("memory", False, "Print what the config's train step needs per device "
+                      "(XLA's memory analysis of the step compiled for shapes only; nothing "
+                      "is initialised or run).")
     flags.DEFINE_integer("batches", 50, "--input-only: batches to time.", lower_bound=1)
     flags.DEFINE_string("profile", None, "--inspect: also trace one chunk of --steps steps "
                         "with jax.profiler into this folder (TensorBoard, Perfetto) and list "

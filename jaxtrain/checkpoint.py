@@ -31,10 +31,16 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def restore_target(state, sharding):
-    """`state`'s arrays as shapes laid out by `sharding`: what restore fills without an
-    initial state being computed first (Orbax puts each array where its target says)."""
-    return jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state)
+    """`state`'s arrays as shapes laid out by `sharding` (one for all, or a tree of one
+    per leaf: parallel.fsdp's): what restore fills without an initial state being
+    computed first. Orbax reads each array into the layout its target says, whatever
+    the device count or layout it was saved from."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state)
+    return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                 sharding=where),
+                        state, sharding)
 
 
 def saved_steps(directory: str) -> list[int]:

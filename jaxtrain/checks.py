@@ -150,6 +150,7 @@ RANGES = {
     "model.activation": (_one_of(*models.ACTIVATIONS), "one of " + ", ".join(models.ACTIVATIONS)),
     "model.conv_init": (_one_of(*models.CONV_INITS), "one of " + ", ".join(models.CONV_INITS)),
     "model.bn_epsilon": (_above(0), "> 0"),
+    "model.remat": (lambda v: isinstance(v, bool), "True or False"),
     "optimizer.name": (_one_of(*optim.OPTIMIZERS), "one of " + ", ".join(optim.OPTIMIZERS)),
     "optimizer.learning_rate": (_above(0), "> 0"),
     "optimizer.momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
@@ -178,6 +179,7 @@ RANGES = {
     "augment.crop_scale": (_pair(0, 1), "(low, high) with 0 < low <= high <= 1"),
     "augment.crop_ratio": (_pair(0, float("inf")), "(low, high) with 0 < low <= high"),
     "train.batch_size": (_at_least(1, True), "an int >= 1"),
+    "train.accumulate_steps": (_at_least(1, True), "an int >= 1 (1: off)"),
     "train.num_epochs": (_at_least(0, True), "an int >= 0"),
     "train.num_steps": (_at_least(0, True), "an int >= 0 (0: train.num_epochs decides)"),
     "train.precision": (_one_of(*PRECISIONS), "one of " + ", ".join(PRECISIONS)),
@@ -205,6 +207,7 @@ RANGES = {
     "logging.wandb": (lambda v: isinstance(v, str), "'' (off) or a W&B project name"),
     "logging.wandb_mode": (_one_of("offline", "online"), "'offline' or 'online'"),
     "eval.batch_size": (_at_least(1, True), "an int >= 1"),
+    "parallel.fsdp": (_at_least(1, True), "an int >= 1 (1: every device holds every parameter)"),
     "eval.tta": (_one_of("none", "flip", "flip_translate"), "'none', 'flip' or 'flip_translate'"),
     "eval.tta_fraction": (_within(0, 1), "in [0, 1]"),
     "eval.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
@@ -278,6 +281,16 @@ def check_config(config) -> None:
         need(dc.image_size > 0, "augment.crop", aug.crop, "needs data.image_size > 0")
     need(len(dc.mean) == len(dc.std) or not dc.mean or not dc.std, "data.std", tuple(dc.std),
          f"must have as many values as data.mean={tuple(dc.mean)!r}")
+    need(not model.remat or model.name in models.REMAT_MODELS, "model.remat", model.remat,
+         f"applies to {', '.join(models.REMAT_MODELS)} (a model of your own can use "
+         "flax.linen.remat on its blocks)")
+    accumulate = config.train.accumulate_steps
+    need(config.train.batch_size % accumulate == 0, "train.accumulate_steps", accumulate,
+         f"must divide train.batch_size={config.train.batch_size} (each micro-batch is "
+         "batch_size / accumulate_steps images)")
+    need(config.parallel.fsdp == 1 or replicas.runs(config) is None, "parallel.fsdp",
+         config.parallel.fsdp, "cannot be combined with train.replicas or a sweep (each "
+         "replica's parameters are already on their own devices)")
     replicas.check_sweep(config)
 
 
@@ -287,7 +300,7 @@ def check_config(config) -> None:
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
                      "train.compilation_cache", "callbacks.", "logging.",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
-                     "data.workers")
+                     "data.workers", "model.remat", "parallel.")
 
 
 # A parameter group's settings that jaxtrain.defaults.param_group added after some runs

@@ -52,6 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.activation = "gelu_tanh"  # cifar_cnn: 'gelu_tanh' | 'gelu' (exact) | 'silu' | 'relu'
     config.model.conv_init = "default"  # cifar_cnn blocks: 'default' | 'dirac' (first C_in filters pass their input through)
     config.model.bn_epsilon = 1e-5   # cifar_cnn: BatchNorm's variance epsilon
+    config.model.remat = False       # cifar_cnn, resnet*, vit_*: recompute each block's activations in the backward
+                                     # pass (Flax's nn.remat) instead of keeping them: less memory, ~1/3 more compute
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only)
@@ -93,6 +95,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.train = ml_collections.ConfigDict()
     config.train.batch_size = 128
+    config.train.accumulate_steps = 1  # > 1: each optimiser step averages the gradients of this many micro-batches of
+                                     # batch_size / this (a scan inside the step): the memory of the smaller batch. BatchNorm
+                                     # sees each micro-batch, so its batch statistics are those of batch_size / this and
+                                     # its running averages update this many times a step (as in Keras)
     config.train.num_epochs = 10
     config.train.num_steps = 0       # > 0 overrides num_epochs
     config.train.precision = "bfloat16"  # 'bfloat16' (float32 params/stats/opt state) | 'float32'
@@ -108,6 +114,10 @@ def get_config() -> ml_collections.ConfigDict:
                                      # evaluated beside them (test_accuracy_ema); None = off
     config.train.nonfinite = "stop"  # a non-finite loss: 'stop' (keep the last checkpoint) | 'skip' the step
     config.train.compilation_cache = "~/.cache/jaxtrain/xla"  # JAX's persistent compilation cache; '' = off
+
+    config.parallel = ml_collections.ConfigDict()
+    config.parallel.fsdp = 1         # > 1: parameters, optimiser state and EMA split over this many devices (an 'fsdp'
+                                     # mesh axis; it must divide the device count); the batch is split over all devices
 
     config.checkpoint = ml_collections.ConfigDict()
     config.checkpoint.every_steps = 0   # > 0: save every this many steps (overrides every_epochs)

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import (actions, callbacks as callbacks_lib, checkpoint, checks, models, optim,
-                      parallel, phases, prepare, replicas, report, signals, train, user_model,
-                      xla_cache)
+from jaxtrain import (actions, callbacks as callbacks_lib, checkpoint, checks, memory, models,
+                      optim, parallel, phases, prepare, replicas, report, signals, train,
+                      user_model, xla_cache)
 from jaxtrain.errors import ConfigError
 
 PROFILE_DIR = actions.PROFILE_DIR
@@ -152,8 +152,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
         with config.unlocked():
             config.model.name = user_model.instance_name(model)
     check_resumable(workdir, config)
-    mesh = parallel.create_mesh()
-    prepare.check_batch_split(config.train.batch_size, mesh)
+    mesh = prepare.create_mesh(config)
+    prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
     # Resuming: the initial state's shapes only (no init compiled or run for nothing);
     # the checkpoint fills them.
@@ -281,6 +281,11 @@ def summarize(session: Session) -> dict:
         "flax_version": flax.__version__,
         "dataset": run.dataset.origin,
         "init_from": run.init_from,  # what model.init_from loaded and re-initialised
+        # XLA's memory analysis of the training program per device (memory.py); with the
+        # layout's state bytes on the most loaded device
+        "step_memory": memory.programs_memory(getattr(session.run_chunk, "programs", ())),
+        "state_bytes_per_device": max(parallel.bytes_per_device(state).values(), default=0),
+        "fsdp": parallel.fsdp_size(run.mesh),
         "config": config.to_dict(),
     }
     for name, value in test_metrics.items():  # train.ema_decay: test_accuracy_ema, ...
@@ -324,10 +329,10 @@ def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, 
     if not plan:
         return None
     step_kwargs, replicated = prepare.step_arguments(config, run), parallel.replicated(run.mesh)
-    out_sharding = (prepare.state_sharding(run), replicated) if run.runs else replicated
+    out_sharding = (prepare.state_sharding(run), replicated)  # (the state's, the metrics')
     if stream is not None:
         return train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
-                                           step_kwargs, replicated)
+                                           step_kwargs, out_sharding)
     kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
     return train.compile_chunks(kind, state, *train_arrays, data_key,
                                 {length for _, _, length in plan}, step_kwargs, out_sharding,

@@ -118,6 +118,15 @@ def conv_kernel_init(name: str):
     raise ValueError(f"unknown model.conv_init {name!r}; choose one of: " + ", ".join(CONV_INITS))
 
 
+def rematted(block_cls, remat: bool):
+    """block_cls, or with remat its nn.remat: the block's activations are recomputed in
+    the backward pass instead of kept from the forward one (memory for compute).
+    `train` (the call's second argument) stays a Python bool. Callers name the blocks
+    themselves, so that the parameters keep their paths (Flax would name a remat'd
+    block 'CheckpointConvBlock_0'): checkpoints and weights load either way."""
+    return nn.remat(block_cls, static_argnums=(2,)) if remat else block_cls
+
+
 class ConvBlock(nn.Module):
     """conv - max-pool 2 - BN - act - conv - BN - act: one resolution stage."""
     features: int
@@ -169,6 +178,7 @@ class CifarCNN(nn.Module):
     bn_epsilon: float = 1e-5
     head_init_std: float = 0.0
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
+    remat: bool = False  # recompute each block's activations in the backward pass
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -176,9 +186,11 @@ class CifarCNN(nn.Module):
         x = x.astype(self.dtype)
         x = nn.Conv(self.stem_width, (2, 2), padding="VALID", dtype=self.dtype)(x)
         x = activation_fn(self.activation)(x)
-        for width in self.widths:
-            x = ConvBlock(width, self.bn_momentum, self.dtype, activation=self.activation,
-                          conv_init=self.conv_init, bn_epsilon=self.bn_epsilon)(x, train)
+        block = rematted(ConvBlock, self.remat)
+        for i, width in enumerate(self.widths):
+            x = block(width, self.bn_momentum, self.dtype, activation=self.activation,
+                      conv_init=self.conv_init, bn_epsilon=self.bn_epsilon,
+                      name=f"ConvBlock_{i}")(x, train)
         x = jnp.max(x, axis=(1, 2))
         head_init = (nn.initializers.normal(self.head_init_std) if self.head_init_std > 0
                      else nn.linear.default_kernel_init)
@@ -319,6 +331,7 @@ class ResNet(nn.Module):
     width: int = 64
     dtype: Dtype = jnp.float32
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
+    remat: bool = False  # recompute each block's activations in the backward pass
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -332,10 +345,13 @@ class ResNet(nn.Module):
         else:
             x = resnet_conv(self.width, 3, 1, self.dtype)(x)
             x = nn.relu(resnet_norm(train, self.dtype)(x))
+        block = rematted(self.block_cls, self.remat)
         for i, blocks in enumerate(self.stage_sizes):
             for j in range(blocks):
                 strides = 2 if i > 0 and j == 0 else 1
-                x = self.block_cls(self.width * 2 ** i, strides, self.dtype)(x, train)
+                index = sum(self.stage_sizes[:i]) + j
+                x = block(self.width * 2 ** i, strides, self.dtype,
+                          name=f"{self.block_cls.__name__}_{index}")(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
@@ -359,6 +375,7 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
     # model.freeze_batch_stats: BatchNorm in inference mode while training too (as torch's
     # module.eval() on it), so it neither updates nor normalises by batch statistics
     frozen_statistics = bool(model_config.get("freeze_batch_stats", False))
+    remat = bool(model_config.get("remat", False))  # REMAT_MODELS only (checks.py)
     if name == "seed_cnn":
         return SeedCNN(num_classes=num_classes, batch_norm=model_config.batch_norm, dtype=dtype,
                        freeze_batch_stats=frozen_statistics)
@@ -378,7 +395,8 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
                         head_scale=model_config.head_scale, dtype=dtype,
                         activation=activation, conv_init=conv_init,
                         bn_epsilon=model_config.get("bn_epsilon", 1e-5),
-                        head_init_std=head_init_std, freeze_batch_stats=frozen_statistics)
+                        head_init_std=head_init_std, freeze_batch_stats=frozen_statistics,
+                        remat=remat)
     if name == "mlp":
         return MLP(num_classes=num_classes, hidden_sizes=tuple(model_config.hidden_sizes),
                    batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype,
@@ -389,17 +407,19 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
         stem = resnet_stem(stem, image_shape) if image_shape is not None or stem != "auto" \
             else stem
         return ResNet(stage_sizes=stage_sizes, block_cls=block_cls, num_classes=num_classes,
-                      stem=stem, dtype=dtype, freeze_batch_stats=frozen_statistics)
+                      stem=stem, dtype=dtype, freeze_batch_stats=frozen_statistics,
+                      remat=remat)
     if name in vit.VITS:
         dim, depth, heads = vit.VITS[name]
         return vit.ViT(num_classes=num_classes, dim=dim, depth=depth, heads=heads,
                        dropout=model_config.get("dropout", 0.0),
-                       drop_path=model_config.get("drop_path", 0.0), dtype=dtype)
+                       drop_path=model_config.get("drop_path", 0.0), dtype=dtype, remat=remat)
     raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp, "
                      + ", ".join([*RESNETS, *vit.VITS]))
 
 
 MODEL_NAMES = ("seed_cnn", "cifar_cnn", "mlp", *RESNETS, *vit.VITS)  # model.name's built-in choices
+REMAT_MODELS = ("cifar_cnn", *RESNETS, *vit.VITS)  # the models with blocks model.remat recomputes
 
 STEM_KERNEL = ("Conv_0", "kernel")  # where cifar_cnn keeps its stem's weights
 STEM_INITS = ("default", "whiten")

@@ -33,6 +33,7 @@ class Setup(NamedTuple):
     runs: Any  # None, or the replicas (replicas.Run) trained together, on a leading axis
     init_from: Any = None  # what model.init_from loaded (weights.Report.to_json()); None: a
                            # random init, or an abstract state, which reads no weights
+    shardings: Any = None  # where the state lives: one sharding, or parallel.fsdp's tree of them
 
 
 def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None) -> Setup:
@@ -48,7 +49,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     """
     lap = clock.lap if clock is not None else lambda *args: None
     checks.check_config(config)
-    mesh = parallel.create_mesh() if mesh is None else mesh
+    mesh = create_mesh(config) if mesh is None else mesh
     init_from = config.model.get("init_from", "")
     if init_from and not abstract_state:
         weights.source(init_from)  # a missing or unreadable source fails before the data loads
@@ -117,6 +118,10 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
                                              config.model.name, dataset.image_shape,
                                              config.model.get("init_from_exclude", ""))
         init = functools.partial(init, initial=initial)
+    if parallel.fsdp_size(mesh) > 1:  # each leaf split over the fsdp axis by its shape
+        sharding = parallel.state_shardings(
+            jax.eval_shape(functools.partial(init, sharding=None), init_key), mesh)
+        init = functools.partial(init, sharding=sharding)
     state = jax.eval_shape(init, init_key) if abstract_state else init(init_key)
     if report is not None:
         lap("build", report.line() + " in {seconds:.1f} s")
@@ -125,7 +130,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
                  "parameters) and its optimiser state")
     return Setup(mesh, dataset, placement, placement_reason, model, stem_kernel, mean, std,
                  schedule, state, data_key, steps_per_epoch, total_steps, runs,
-                 report.to_json() if report is not None else None)
+                 report.to_json() if report is not None else None, sharding)
 
 
 def _rounded(values) -> str:
@@ -137,14 +142,33 @@ def param_count(params, runs=None) -> int:
     return models.count_params(params) // (len(runs) if runs else 1)
 
 
-def check_batch_split(batch_size: int, mesh) -> None:
-    """The global batch must split evenly over the devices; says which sizes would."""
+def create_mesh(config, devices=None):
+    """The device mesh of config.parallel (parallel.create_mesh): data, or data x fsdp."""
+    devices = jax.devices() if devices is None else devices
+    fsdp = config.get("parallel", {}).get("fsdp", 1)
+    if len(devices) % fsdp:
+        divisors = [str(d) for d in range(1, len(devices) + 1) if len(devices) % d == 0]
+        raise ConfigError(f"config.parallel.fsdp={fsdp} does not divide the {len(devices)} "
+                          f"devices: use one of {', '.join(divisors)}")
+    return parallel.create_mesh(devices, fsdp)
+
+
+def check_batch_split(batch_size: int, mesh, accumulate_steps: int = 1) -> None:
+    """The global batch must split evenly over the devices, and each device's share into
+    accumulate_steps micro-batches; says which sizes would."""
     devices = mesh.size
     if batch_size % devices:
         lower, upper = batch_size // devices * devices, -(-batch_size // devices) * devices
         options = " or ".join(str(size) for size in (lower, upper) if size > 0)
         raise ConfigError(f"config.train.batch_size={batch_size} does not split evenly over "
                           f"{devices} devices: use a multiple of {devices} (e.g. {options})")
+    if (batch_size // devices) % accumulate_steps:
+        per_device = batch_size // devices
+        raise ConfigError(
+            f"config.train.accumulate_steps={accumulate_steps} does not divide the batch per "
+            f"device ({batch_size} / {devices} devices = {per_device} images): use a divisor "
+            f"of {per_device}, or a batch_size that is a multiple of "
+            f"{devices * accumulate_steps}")
 
 
 def whitening_fn(config, mean, std):
@@ -242,7 +266,10 @@ def splits_replicas(run: Setup) -> bool:
 
 
 def state_sharding(run: Setup):
-    """Where the training state lives: replicated, or split over its replica axis."""
+    """Where the training state lives: replicated, split over its replica axis, or
+    (parallel.fsdp) a tree of one sharding per leaf."""
+    if run.shardings is not None:
+        return run.shardings
     if run.runs:
         return replicas.state_sharding(run.mesh, len(run.runs))
     return parallel.replicated(run.mesh)
@@ -267,7 +294,8 @@ def step_arguments(config, run: Setup) -> dict:
                 label_smoothing=config.train.label_smoothing,
                 skip_nonfinite=config.train.nonfinite == "skip",
                 ema_decay=config.train.get("ema_decay"),
-                freeze_batch_stats=bool(config.model.get("freeze_batch_stats", False)))
+                freeze_batch_stats=bool(config.model.get("freeze_batch_stats", False)),
+                accumulate_steps=config.train.get("accumulate_steps", 1))
 
 
 def tta_image_count(fraction: float, num_images: int):

@@ -89,7 +89,7 @@ def hyperparam(state, name: str, default):
 
 def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
                num_classes, label_smoothing, skip_nonfinite=False, ema_decay=None,
-               mix_kwargs=None, freeze_batch_stats=False):
+               mix_kwargs=None, freeze_batch_stats=False, accumulate_steps=1):
     """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
 
     `mirror`: the batch's alternating-flip bits (augment.alternate_flip), else None.
@@ -101,6 +101,9 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     weights and BatchNorm statistics: ema = decay * ema + (1 - decay) * new.
     With freeze_batch_stats (model.freeze_batch_stats), the BatchNorm statistics stay as
     they are (the built-in models also normalise with them; your own may not).
+    With accumulate_steps K > 1, the (augmented, mixed) batch is cut into K micro-batches
+    that go through the model one after another (accumulated_gradients), and one
+    optimiser update applies their mean gradient.
     """
     augment_key, dropout_key = jax.random.split(key)
     images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
@@ -110,15 +113,12 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     if mix_kwargs:
         inputs, targets = augment.mix_batch(
             inputs, targets, jax.random.fold_in(key, augment.MIX_STREAM), **mix_kwargs)
-
-    def loss_fn(params):
-        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
-                                         inputs, train=True, mutable=["batch_stats"],
-                                         rngs={"dropout": dropout_key})
-        loss = optax.softmax_cross_entropy(logits, targets).mean()
-        return loss, (logits, updates.get("batch_stats", state.batch_stats))
-
-    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if accumulate_steps == 1:
+        loss, logits, batch_stats, grads = gradients(state, state.batch_stats, inputs, targets,
+                                                     dropout_key)
+    else:
+        loss, logits, batch_stats, grads = accumulated_gradients(
+            state, inputs, targets, dropout_key, accumulate_steps)
     if freeze_batch_stats:
         batch_stats = state.batch_stats
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
@@ -133,6 +133,50 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
         new_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_state, skipped)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     return new_state, {"loss": loss, "accuracy": accuracy}
+
+
+def gradients(state, batch_stats, inputs, targets, dropout_key):
+    """Mean cross-entropy of a batch, its logits, the BatchNorm statistics after it and
+    the loss's gradient with respect to state.params."""
+    def loss_fn(params):
+        logits, updates = state.apply_fn({"params": params, "batch_stats": batch_stats},
+                                         inputs, train=True, mutable=["batch_stats"],
+                                         rngs={"dropout": dropout_key})
+        loss = optax.softmax_cross_entropy(logits, targets).mean()
+        return loss, (logits, updates.get("batch_stats", batch_stats))
+
+    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    return loss, logits, batch_stats, grads
+
+
+def micro_batches(x, k: int):
+    """(B, ...) -> (k, B / k, ...): micro-batch i holds rows i, i + k, i + 2k, ... Each
+    device's slice of a batch split over devices holds B / devices consecutive rows
+    (a multiple of k), so every micro-batch takes an equal share from every device:
+    the cut moves no data between devices and each micro-batch stays split over all."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+
+def accumulated_gradients(state, inputs, targets, dropout_key, k: int):
+    """gradients() of k micro-batches, one after another in a lax.scan (so only one
+    micro-batch's activations are alive at a time), averaged: the mean loss and gradient
+    of the whole batch, up to float rounding. BatchNorm normalises each micro-batch by
+    its own statistics and its running averages move k times; micro-batch i's dropout
+    key is fold_in(dropout_key, i)."""
+    def body(carry, batch):
+        grad_sum, batch_stats, loss_sum = carry
+        inputs, targets, i = batch
+        loss, logits, batch_stats, grads = gradients(
+            state, batch_stats, inputs, targets, jax.random.fold_in(dropout_key, i))
+        return (jax.tree.map(jnp.add, grad_sum, grads), batch_stats, loss_sum + loss), logits
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (grad_sum, batch_stats, loss_sum), logits = jax.lax.scan(
+        body, (zeros, state.batch_stats, jnp.zeros((), jnp.float32)),
+        (micro_batches(inputs, k), micro_batches(targets, k), jnp.arange(k)))
+    logits = jnp.swapaxes(logits, 0, 1).reshape(inputs.shape[0], -1)  # rows back in order
+    return loss_sum / k, logits, batch_stats, jax.tree.map(lambda g: g / k, grad_sum)
 
 
 def advance_schedules(opt_state):
@@ -336,10 +380,14 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
         def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
             return chunk_fns[num_steps](state, x_train, y_train, data_key, np.int32(epoch),
                                         np.int32(first_step))
+        run_chunk.programs = list(chunk_fns.values())  # for memory.py's analysis
         return run_chunk
 
-    state_sharding = out_sharding[0] if isinstance(out_sharding, tuple) else out_sharding
-    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, state_sharding, replicas)
+    # the epoch's order: laid out as the metrics are (replicated), or for replicas as
+    # their state's leading axis
+    order_sharding = out_sharding[int(not replicas)] if isinstance(out_sharding, tuple) \
+        else out_sharding
+    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, order_sharding, replicas)
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
     first_order = order_fn(data_key, np.int32(0))
     order_axes = (0, 0, None if first_order[2] is None else 0)  # (order, augment key, flips)
@@ -356,6 +404,7 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
             lambda state, step: step_fn(state, np.int32(step), x_train, y_train,
                                         *current["order"]),
             state, first_step, num_steps, should_stop, replicas)
+    run_chunk.programs = [step_fn]  # for memory.py's analysis
     return run_chunk
 
 
@@ -395,6 +444,7 @@ def compile_stream_chunks(state, stream, data_key, num_examples: int, step_kwarg
             lambda state, step: step_fn(state, *stream.next(), data_key, np.int32(epoch),
                                         np.int32(step)),
             state, first_step, num_steps, should_stop)
+    run_chunk.programs = [step_fn]  # for memory.py's analysis
     return run_chunk
 
 

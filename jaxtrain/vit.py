@@ -152,6 +152,7 @@ class ViT(nn.Module):
     dropout: float = 0.0
     drop_path: float = 0.0
     dtype: Dtype = jnp.float32
+    remat: bool = False  # recompute each block's activations in the backward pass
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -169,8 +170,10 @@ class ViT(nn.Module):
         x = x + pos_embed.astype(self.dtype)
         # timm's torch.linspace(0, drop_path, depth): block i's rate
         rates = np.linspace(0.0, self.drop_path, self.depth)
+        # nn.remat (models.rematted; vit.py does not import models): train stays static
+        block = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
         for i in range(self.depth):
-            x = Block(self.dim, self.heads, self.mlp_ratio, self.dropout, float(rates[i]),
+            x = block(self.dim, self.heads, self.mlp_ratio, self.dropout, float(rates[i]),
                       self.dtype, name=f"blocks_{i}")(x, train)
         x = layer_norm("norm", self.dtype)(x)
         x = dense(self.num_classes, "head", self.dtype)(x[:, 0])

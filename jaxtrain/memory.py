@@ -1,0 +1,127 @@
+"""What one training step needs on each device, from XLA's own memory analysis.
+
+`python -m jaxtrain.bench --config=... --memory` compiles the run's train step
+(its model, batch, precision, train.accumulate_steps, model.remat, parallel.fsdp)
+for shapes only: no parameter is initialised and no step runs, so it answers for
+a model or batch that would not fit, before anyone rents the device it needs.
+The step compiled is train.train_step on one global batch, laid out as training
+lays it out; the device-resident training split, which training keeps beside it,
+is counted apart (`training_data_bytes`). XLA reports per device:
+
+- arguments: the state (parameters, optimiser state, BatchNorm statistics, EMA)
+  and the batch, as this device holds them;
+- outputs: the new state and the metrics (the state's buffers are donated, so
+  they alias the arguments: `alias`);
+- temporaries: everything else alive during the step: activations kept for the
+  backward pass, gradients, workspace.
+
+peak_bytes = arguments + outputs - alias + temporaries: the most the step can
+hold at once. A training run records the same for its compiled chunk in
+summary.json (`step_memory`).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain import checkpoint, parallel, prepare, train
+
+FIELDS = {"arguments_bytes": "argument_size_in_bytes", "outputs_bytes": "output_size_in_bytes",
+          "alias_bytes": "alias_size_in_bytes", "temporaries_bytes": "temp_size_in_bytes",
+          "generated_code_bytes": "generated_code_size_in_bytes"}
+
+
+def analysis(compiled) -> dict | None:
+    """A compiled program's memory analysis per device as a plain dict (None where the
+    backend gives none), with peak_bytes."""
+    stats = compiled.memory_analysis()
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    result = {name: int(getattr(stats, field, 0) or 0) for name, field in FIELDS.items()}
+    result["peak_bytes"] = (result["arguments_bytes"] + result["outputs_bytes"]
+                            - result["alias_bytes"] + result["temporaries_bytes"])
+    return result
+
+
+def programs_memory(programs) -> dict | None:
+    """analysis() of the compiled program among `programs` with the highest peak (a
+    run's chunks, or its one per-step program); None without any."""
+    found = [a for a in (analysis(p) for p in programs) if a is not None]
+    return max(found, key=lambda a: a["peak_bytes"]) if found else None
+
+
+def bytes_on_one_device(tree, shardings) -> int:
+    """The bytes of the first device's pieces of (abstract) arrays laid out by `shardings`."""
+    leaves, where = jax.tree.leaves(tree), jax.tree.leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(where) == 1:
+        where = where * len(leaves)
+    return sum(int(np.prod(s.shard_shape(leaf.shape))) * np.dtype(leaf.dtype).itemsize
+               for leaf, s in zip(leaves, where))
+
+
+def compile_step(config, run=None):
+    """(train.train_step compiled for `config`'s shapes and layouts, the Setup)."""
+    if run is None:
+        mesh = prepare.create_mesh(config)
+        prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
+        run = prepare.setup(config, mesh, abstract_state=True)
+    replicated = parallel.replicated(run.mesh)
+    state_sharding = prepare.state_sharding(run)
+    state = checkpoint.restore_target(run.state, state_sharding)
+    batch = config.train.batch_size
+    batch_sharding = parallel.batch_sharded(run.mesh)
+    images = jax.ShapeDtypeStruct((batch, *run.dataset.image_shape), jnp.uint8,
+                                  sharding=batch_sharding)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
+    step_kwargs = prepare.step_arguments(config, run)
+    step_kwargs.pop("batch_size"), step_kwargs.pop("batch_sharding")
+    step = jax.jit(functools.partial(train.train_step, **step_kwargs), donate_argnums=0,
+                   out_shardings=(state_sharding, replicated))
+    return step.lower(state, images, labels, key).compile(), run
+
+
+def step_memory(config) -> dict:
+    """What config's train step needs per device (module docstring), and its layout."""
+    compiled, run = compile_step(config)
+    result = analysis(compiled) or {}
+    state_sharding = prepare.state_sharding(run)
+    x, y = run.dataset.x_train, run.dataset.y_train
+    result.update({
+        "model": config.model.name, "batch_size": config.train.batch_size,
+        "image_shape": list(run.dataset.image_shape), "precision": config.train.precision,
+        "accumulate_steps": config.train.accumulate_steps, "remat": bool(config.model.remat),
+        "fsdp": parallel.fsdp_size(run.mesh), "devices": run.mesh.size,
+        "device_kind": jax.devices()[0].device_kind,
+        "params_bytes_per_device": bytes_on_one_device(
+            run.state.params, getattr(state_sharding, "params", state_sharding)),
+        "state_bytes_per_device": bytes_on_one_device(run.state, state_sharding),
+        "training_data_bytes": int(x.nbytes + y.nbytes) if run.placement == "device" else 0,
+    })
+    return result
+
+
+def describe(info: dict) -> str:
+    """A few lines for the console."""
+    def gib(n):
+        return f"{n / 2**30:.3f} GiB"
+    layout = (f"fsdp={info['fsdp']} over {info['devices']} devices" if info["fsdp"] > 1
+              else f"replicated over {info['devices']} device(s)")
+    lines = [f"{info['model']} batch {info['batch_size']} at {'x'.join(map(str, info['image_shape']))}, "
+             f"{info['precision']}, accumulate_steps={info['accumulate_steps']}, "
+             f"remat={info['remat']}, {layout} ({info['device_kind']})"]
+    if "peak_bytes" in info:
+        lines += [f"  per device: arguments {gib(info['arguments_bytes'])} (state "
+                  f"{gib(info['state_bytes_per_device'])}, of which parameters "
+                  f"{gib(info['params_bytes_per_device'])}), outputs {gib(info['outputs_bytes'])}"
+                  f" (aliasing {gib(info['alias_bytes'])}), temporaries "
+                  f"{gib(info['temporaries_bytes'])}",
+                  f"  peak {gib(info['peak_bytes'])} per device, plus the training split "
+                  f"{gib(info['training_data_bytes'])} when it is on the devices"]
+    else:
+        lines.append("  this backend reports no memory analysis")
+    return "\n".join(lines)

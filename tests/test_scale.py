@@ -1,0 +1,336 @@
+"""Bigger models and batches: train.accumulate_steps, model.remat, parallel.fsdp and
+bench --memory, on real CIFAR-10 images (several CPU devices in subprocesses)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxtrain
+from jaxtrain import ConfigError, loop, models, parallel, prepare, report
+from jaxtrain.defaults import get_config
+from overrides import with_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def arrays32(tmp_path_factory, cifar_subset):
+    """Real CIFAR-10 as a data.name='arrays' file: 256 training, 16 test images, 32 px."""
+    path = tmp_path_factory.mktemp("arrays32") / "cifar32.npz"
+    np.savez(path, x_train=cifar_subset["x_train"][:256], y_train=cifar_subset["y_train"][:256],
+             x_test=cifar_subset["x_test"][:16], y_test=cifar_subset["y_test"][:16],
+             class_names=np.array(cifar_subset["class_names"]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def arrays64(tmp_path_factory, cifar_subset):
+    """The same images at 64 px (each pixel 2 x 2): 64 training, 16 test."""
+    def up(x):
+        return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
+    path = tmp_path_factory.mktemp("arrays64") / "cifar64.npz"
+    np.savez(path, x_train=up(cifar_subset["x_train"][:64]), y_train=cifar_subset["y_train"][:64],
+             x_test=up(cifar_subset["x_test"][:16]), y_test=cifar_subset["y_test"][:16],
+             class_names=np.array(cifar_subset["class_names"]))
+    return path
+
+
+def small_config(npz, **overrides):
+    config = get_config()
+    config.data.name, config.data.dir = "arrays", str(npz)
+    config.train.precision = "float32"
+    config.train.batch_size = 32
+    config.train.num_steps = 10
+    config.train.log_every_steps = 1
+    config.eval.every_epochs = 0
+    config.checkpoint.every_epochs = 0
+    config.optimizer.learning_rate = 0.05
+    return with_overrides(config, overrides)
+
+
+def final_params(workdir):
+    return jax.device_get(jaxtrain.restore(workdir).state.params)
+
+
+def max_difference(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                             jax.tree.leaves(b)))
+
+
+# ---------------------------------------------------------------- accumulation
+
+def test_accumulating_four_micro_batches_is_the_whole_batch_without_batchnorm(arrays32,
+                                                                             tmp_path):
+    """An MLP without BatchNorm: 10 steps of batch 32 as 4 x 8 give the parameters of
+    10 plain steps of 32 (the mean of the micro-batches' mean gradients is the batch's)."""
+    mlp = dict(model__name="mlp", model__batch_norm=False, model__hidden_sizes=(64, 32))
+    for k in (1, 4):
+        loop.train_and_evaluate(small_config(arrays32, train__accumulate_steps=k, **mlp),
+                                str(tmp_path / f"k{k}"))
+    whole, accumulated = final_params(tmp_path / "k1"), final_params(tmp_path / "k4")
+    assert max_difference(whole, accumulated) < 1e-5
+    rows = {k: [json.loads(line)["train_loss"] for line in
+                open(tmp_path / f"k{k}" / report.METRICS_FILE) if "train_loss" in line]
+            for k in (1, 4)}
+    np.testing.assert_allclose(rows[4], rows[1], rtol=1e-5)
+    summary = json.loads((tmp_path / "k4" / report.SUMMARY_FILE).read_text())
+    assert summary["steps"] == 10  # optimiser steps, not micro-batches
+
+
+def test_accumulation_with_batchnorm_trains_and_resumes_exactly(arrays32, tmp_path):
+    """seed_cnn with BatchNorm, K=4: BatchNorm sees micro-batches of 8, so the run is not
+    the K=1 run; killed (here: stopped at step 5) and resumed, it is bit for bit the
+    uninterrupted one."""
+    bn = dict(model__name="seed_cnn", model__batch_norm=True, train__accumulate_steps=4,
+              checkpoint__every_steps=5)
+    loop.train_and_evaluate(small_config(arrays32, **bn), str(tmp_path / "whole"))
+    loop.train_and_evaluate(small_config(arrays32, train__num_steps=5, **bn),
+                            str(tmp_path / "resumed"))
+    loop.train_and_evaluate(small_config(arrays32, **bn), str(tmp_path / "resumed"))
+    whole = json.loads((tmp_path / "whole" / report.SUMMARY_FILE).read_text())
+    resumed = json.loads((tmp_path / "resumed" / report.SUMMARY_FILE).read_text())
+    assert resumed["resumed_from_step"] == 5
+    assert resumed["params_sha256"] == whole["params_sha256"]
+    assert np.isfinite(whole["test_loss"]) and whole["train_loss"] < 2.3
+
+    loop.train_and_evaluate(small_config(arrays32, **dict(bn, train__accumulate_steps=1)),
+                            str(tmp_path / "k1"))
+    assert max_difference(final_params(tmp_path / "whole"), final_params(tmp_path / "k1")) > 1e-4
+
+
+def test_micro_batches_take_an_equal_share_of_every_devices_rows():
+    from jaxtrain import train
+    rows = np.arange(16)  # 4 devices x 4 rows each: device d holds rows 4d .. 4d + 3
+    micro = np.asarray(train.micro_batches(jnp.asarray(rows), 2))
+    assert micro.shape == (2, 8)
+    for batch in micro:
+        assert sorted(np.bincount(batch // 4, minlength=4)) == [2, 2, 2, 2]
+    assert sorted(micro.ravel()) == list(rows)
+
+
+def test_accumulate_steps_must_divide_the_batch():
+    config = small_config("x.npz", train__accumulate_steps=3)
+    with pytest.raises(ConfigError, match=r"config.train.accumulate_steps=3: must divide "
+                                          r"train.batch_size=32"):
+        jaxtrain.checks.check_config(config)
+
+
+def test_the_batch_per_device_must_split_into_micro_batches():
+    mesh = parallel.create_mesh(jax.devices() * 1)
+    prepare.check_batch_split(32, mesh, 4)
+    with pytest.raises(ConfigError, match=r"accumulate_steps=64 does not divide the batch per "
+                                          r"device \(32 / 1 devices = 32 images\)"):
+        prepare.check_batch_split(32, mesh, 64)
+
+
+# ---------------------------------------------------------------- remat
+
+def loss_and_grads(model, variables, images, labels):
+    def loss_fn(params):
+        logits, _ = model.apply({**variables, "params": params}, images, train=True,
+                                mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return jax.value_and_grad(loss_fn)(variables["params"])
+
+
+@pytest.mark.parametrize("name, size", [("cifar_cnn", 32), ("resnet18", 32), ("vit_tiny", 32)])
+def test_remat_gives_the_same_loss_and_gradients(name, size, cifar_subset):
+    config = get_config()
+    config.model.name = name
+    images = jnp.asarray(cifar_subset["x_train"][:8, :size, :size], jnp.float32) / 255 - 0.5
+    labels = jnp.asarray(cifar_subset["y_train"][:8])
+    results = {}
+    for remat in (False, True):
+        config.model.remat = remat
+        model = models.create_model(config.model, 10, jnp.float32)
+        variables = model.init(jax.random.key(0), images[:1], train=False)
+        results[remat] = (variables, jax.jit(loss_and_grads, static_argnums=0)(
+            model, variables, images, labels))
+        jaxpr = str(jax.make_jaxpr(lambda v: loss_and_grads(model, v, images, labels))(variables))
+        assert ("remat" in jaxpr or "checkpoint" in jaxpr) == remat
+    (plain_vars, (plain_loss, plain_grads)), (remat_vars, (remat_loss, remat_grads)) = (
+        results[False], results[True])
+    # the same parameter names and shapes: checkpoints and weights load either way
+    assert jax.tree.structure(plain_vars) == jax.tree.structure(remat_vars)
+    assert max_difference(plain_vars, remat_vars) == 0.0
+    assert abs(float(plain_loss) - float(remat_loss)) < 1e-6
+    assert max_difference(plain_grads, remat_grads) < 1e-6
+
+
+def test_remat_is_refused_for_a_model_without_blocks():
+    config = small_config("x.npz", model__name="mlp", model__remat=True)
+    with pytest.raises(ConfigError, match="config.model.remat=True: applies to cifar_cnn"):
+        jaxtrain.checks.check_config(config)
+
+
+# ---------------------------------------------------------------- fsdp layout
+
+def test_fsdp_splits_big_tensors_along_a_dimension_that_divides():
+    assert parallel.fsdp_spec((3, 3, 64, 128), 8) == jax.sharding.PartitionSpec(
+        None, None, None, "fsdp")
+    assert parallel.fsdp_spec((768, 3072), 4) == jax.sharding.PartitionSpec(None, "fsdp")
+    assert parallel.fsdp_spec((3072, 768), 4) == jax.sharding.PartitionSpec("fsdp", None)
+    assert parallel.fsdp_spec((10, 1001), 8) == jax.sharding.PartitionSpec()  # none divides
+    assert parallel.fsdp_spec((256,), 8) == jax.sharding.PartitionSpec()  # small: replicated
+    assert parallel.fsdp_spec((4096, 7), 1) == jax.sharding.PartitionSpec()
+
+
+# ---------------------------------------------------------------- several devices
+
+def devices_env(count: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    return env
+
+
+def probe(spec: dict, devices: int, tmp_path) -> dict:
+    spec_file, out_file = tmp_path / f"spec{devices}.json", tmp_path / f"out{devices}.json"
+    spec_file.write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "scale_probe.py"), str(spec_file),
+                           str(out_file)], env=devices_env(devices), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out_file.read_text())
+
+
+RESNET = dict(model="resnet50", stem="imagenet", steps=5, batch_size=16)  # 64 px
+VIT = dict(model="vit_tiny", steps=5, batch_size=16, optimizer="adamw",
+           learning_rate=1e-3)  # 32 px: 4 patches and the class token
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory, arrays32, arrays64):
+    """Runs and memory analyses on 8 CPU devices, in one subprocess."""
+    root = tmp_path_factory.mktemp("fsdp8")
+    runs = []
+    for name, spec, npz in (("resnet", RESNET, arrays64), ("vit", VIT, arrays32)):
+        for fsdp in (1, 8, 4):
+            if name == "vit" and fsdp == 4:
+                continue
+            workdir = root / f"{name}_fsdp{fsdp}"
+            workdir.mkdir()
+            runs.append(dict(spec, name=f"{name}_fsdp{fsdp}", workdir=str(workdir), npz=str(npz),
+                             fsdp=fsdp, checkpoint_every=3 if fsdp == 4 else 0))
+    base = dict(model="cifar_cnn", npz=str(arrays32), batch_size=256)  # 32 per device
+    memory = [dict(base, name="baseline"), dict(base, name="accumulate4", accumulate_steps=4),
+              dict(base, name="remat", remat=True), dict(base, name="fsdp8", fsdp=8)]
+    return probe({"runs": runs, "memory": memory}, 8, root), root
+
+
+def test_fsdp_trains_as_the_replicated_run(eight_devices):
+    out, _ = eight_devices
+    assert out["devices"] == 8
+    for name, layouts in (("resnet", (8, 4)), ("vit", (8,))):
+        replicated = out["runs"][f"{name}_fsdp1"]
+        assert replicated["fsdp"] == 1 and len(replicated["losses"]) == 5
+        for fsdp in layouts:
+            run = out["runs"][f"{name}_fsdp{fsdp}"]
+            assert run["fsdp"] == fsdp
+            np.testing.assert_allclose([run["losses"][s] for s in sorted(run["losses"])],
+                                       [replicated["losses"][s] for s in sorted(run["losses"])],
+                                       rtol=0, atol=1e-4)
+
+
+def test_fsdp_devices_hold_a_share_of_the_parameters_and_optimiser_state(eight_devices):
+    out, _ = eight_devices
+    for name, layouts in (("resnet", (8, 4)), ("vit", (8,))):
+        replicated = out["runs"][f"{name}_fsdp1"]
+        total = replicated["params_and_opt_bytes"]
+        assert replicated["params_and_opt_bytes_per_device"] == [total] * 8
+        for fsdp in layouts:
+            held = out["runs"][f"{name}_fsdp{fsdp}"]["params_and_opt_bytes_per_device"]
+            assert len(held) == 8
+            # about 1/fsdp each: the small tensors (biases, norms, counters) stay replicated
+            assert total / fsdp <= max(held) < 1.1 * total / fsdp, (name, fsdp, held, total)
+
+
+def test_a_checkpoint_resumes_onto_another_layout(eight_devices, tmp_path):
+    """Saved at step 3 on 8 devices with fsdp=4, resumed on 2 with fsdp=2: steps 4 and 5
+    are those of the uninterrupted run."""
+    out, root = eight_devices
+    saved = root / "resnet_fsdp4"
+    workdir = tmp_path / "resumed"
+    shutil.copytree(saved, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "5")
+    spec = json.loads((saved / "spec.json").read_text())
+    resumed = probe({"runs": [dict(spec, name="resumed", workdir=str(workdir), fsdp=2)]}, 2,
+                    tmp_path)["runs"]["resumed"]
+    assert resumed["resumed_from_step"] == 3 and resumed["fsdp"] == 2
+    uninterrupted = out["runs"]["resnet_fsdp4"]["losses"]
+    for step in ("4", "5"):
+        assert abs(resumed["losses"][step] - uninterrupted[step]) < 1e-5
+
+
+def test_memory_analysis_shows_what_each_knob_saves(eight_devices):
+    memory = eight_devices[0]["memory"]
+    baseline = memory["baseline"]
+    for info in memory.values():
+        assert info["peak_bytes"] > info["temporaries_bytes"] > 0
+        assert info["devices"] == 8 and info["batch_size"] == 256
+    # micro-batches of 8 per device instead of 32: the activations a quarter
+    assert memory["accumulate4"]["temporaries_bytes"] < 0.5 * baseline["temporaries_bytes"]
+    # (remat compiles and is reported; XLA:CPU schedules the recomputation early and
+    # saves nothing here, see BENCHMARKS.md: its saving is measured on the GPU)
+    assert memory["remat"]["remat"] is True and baseline["remat"] is False
+    assert memory["fsdp8"]["fsdp"] == 8
+    assert (memory["fsdp8"]["params_bytes_per_device"]
+            < 0.2 * baseline["params_bytes_per_device"])
+
+
+def test_bad_layouts_stop_with_one_line_and_write_nothing(tmp_path, arrays32):
+    for i, (flag, message) in enumerate((
+            ("--config.parallel.fsdp=3", "config.parallel.fsdp=3 does not divide the 8 "
+                                         "devices: use one of 1, 2, 4, 8"),
+            ("--config.train.accumulate_steps=8", "config.train.accumulate_steps=8 does not "
+                                                  "divide the batch per device (32 / 8 devices "
+                                                  "= 4 images)"))):
+        workdir = tmp_path / f"w{i}"
+        done = subprocess.run(
+            [sys.executable, "main.py", "--config=configs/default.py", f"--workdir={workdir}",
+             "--config.data.name=arrays", f"--config.data.dir={arrays32}",
+             "--config.train.batch_size=32", flag], cwd=REPO, env=devices_env(8),
+            capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], done.stderr
+        assert not workdir.exists() or not any(workdir.iterdir())
+
+
+def test_two_processes_of_four_devices_train_with_fsdp(eight_devices, tmp_path, arrays32):
+    """vit_tiny with fsdp=8 over 2 processes x 4 devices: every parameter split across
+    both processes; the losses are the one-process run's."""
+    from test_parallel import finish, free_port
+    out, _ = eight_devices
+    address = f"localhost:{free_port()}"
+    args = ["main.py", "--config=configs/default.py", f"--workdir={tmp_path}",
+            "--config.data.name=arrays", f"--config.data.dir={arrays32}",
+            "--config.model.name=vit_tiny", "--config.optimizer.name=adamw",
+            "--config.optimizer.learning_rate=1e-3", "--config.train.precision=float32",
+            "--config.train.batch_size=16", "--config.train.num_steps=5",
+            "--config.train.log_every_steps=1", "--config.train.compilation_cache=",
+            "--config.eval.batch_size=16", "--config.eval.every_epochs=0",
+            "--config.checkpoint.every_epochs=0", "--config.parallel.fsdp=8",
+            f"--coordinator_address={address}", "--num_processes=2"]
+    processes = [subprocess.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
+                                  env=devices_env(4), text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(2)]
+    results = [finish(p) for p in processes]
+    for i, result in enumerate(results):
+        assert result.returncode == 0, f"process {i}:\n{result.stderr[-3000:]}"
+    summary = json.loads((tmp_path / report.SUMMARY_FILE).read_text())
+    assert (summary["device_count"], summary["process_count"], summary["fsdp"]) == (8, 2, 8)
+    rows = [json.loads(line) for line in open(tmp_path / report.METRICS_FILE)]
+    losses = {str(row["step"]): row["train_loss"] for row in rows if "train_loss" in row}
+    single = out["runs"]["vit_fsdp8"]["losses"]
+    for step in single:
+        assert abs(losses[step] - single[step]) < 1e-5
