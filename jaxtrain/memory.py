@@ -68,7 +68,12 @@ def compile_step(config, run=None):
     if run is None:
         mesh = prepare.create_mesh(config)
         prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
-        run = prepare.setup(config, mesh, abstract_state=True)
+        # The state's shapes do not depend on the batch: set up with the smallest batch
+        # the layout takes, so a batch larger than the training split is sized too.
+        smallest = config.copy_and_resolve_references()
+        with smallest.unlocked():
+            smallest.train.batch_size = mesh.size * config.train.accumulate_steps
+        run = prepare.setup(smallest, mesh, abstract_state=True)
     replicated = parallel.replicated(run.mesh)
     state_sharding = prepare.state_sharding(run)
     state = checkpoint.restore_target(run.state, state_sharding)
@@ -125,3 +130,76 @@ def describe(info: dict) -> str:
     else:
         lines.append("  this backend reports no memory analysis")
     return "\n".join(lines)
+
+
+def device_limit_bytes(device=None) -> int | None:
+    """What one device can hold, as its allocator reports (bytes_limit); None on a
+    backend that reports none (the CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def largest_batch(config, limit_bytes: int, multiple: int = 8, start: int = 128,
+                  max_probes: int = 6, seconds: float | None = None, clock=None) -> dict:
+    """The largest train.batch_size (a multiple of `multiple`) whose step's peak_bytes fit
+    in limit_bytes, searched on compiled memory analyses alone (nothing is run).
+
+    Peak memory grows about linearly with the batch, so each probe after the first two
+    goes where the line through the nearest fitting and failing probes (or the last
+    two) reaches the limit, kept inside the bracket; the search ends when the bracket
+    is `multiple` wide, after max_probes compiles, or once `seconds` have passed. The
+    result has every probe (batch, peak bytes, fits, seconds) and the bracket.
+    """
+    import time
+    clock = clock or time.monotonic
+    began = clock()
+    probes = []
+
+    def probe(batch):
+        trial = config.copy_and_resolve_references()
+        with trial.unlocked():
+            trial.train.batch_size = batch
+        start_time = clock()
+        peak = step_memory(trial).get("peak_bytes")
+        if peak is None:
+            raise ValueError("this backend reports no memory analysis")
+        probes.append({"batch_size": batch, "peak_bytes": peak, "fits": peak <= limit_bytes,
+                       "seconds": round(clock() - start_time, 2)})
+        return peak <= limit_bytes
+
+    def rounded(batch):
+        return max(multiple, int(batch) // multiple * multiple)
+
+    lo, hi = None, None  # largest batch that fits, smallest that does not
+    batch = rounded(start)
+    while len(probes) < max_probes and (seconds is None or clock() - began < seconds):
+        if probe(batch):
+            lo = batch
+        else:
+            hi = batch
+        if lo is not None and hi is not None and hi - lo <= multiple:
+            break
+        if hi == multiple:  # not even the smallest batch fits
+            break
+        known = sorted(probes, key=lambda p: p["batch_size"])
+        below = [p for p in known if p["fits"]]
+        above = [p for p in known if not p["fits"]]
+        pair = (below[-1:] + above[:1]) if below and above else known[-2:]
+        if len(pair) == 2 and pair[1]["peak_bytes"] != pair[0]["peak_bytes"]:
+            slope = ((pair[1]["peak_bytes"] - pair[0]["peak_bytes"])
+                     / (pair[1]["batch_size"] - pair[0]["batch_size"]))
+            guess = pair[0]["batch_size"] + (limit_bytes - pair[0]["peak_bytes"]) / slope
+        else:  # one probe: double or halve
+            guess = batch * 2 if lo == batch else batch / 2
+        guess = rounded(guess)
+        low, high = (lo or 0) + multiple, (hi - multiple) if hi else guess * 4
+        batch = min(max(guess, low), high)
+        if batch in {p["batch_size"] for p in probes}:
+            batch = rounded((low + high) / 2) if high >= low else batch
+            if batch in {p["batch_size"] for p in probes}:
+                break
+    return {"largest_batch": lo, "smallest_failing_batch": hi, "limit_bytes": limit_bytes,
+            "multiple": multiple, "probes": probes,
+            "exact": lo is not None and hi is not None and hi - lo <= multiple,
+            "seconds": round(clock() - began, 2)}

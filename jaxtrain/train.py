@@ -161,7 +161,10 @@ def micro_batches(x, k: int):
 def accumulated_gradients(state, inputs, targets, dropout_key, k: int):
     """gradients() of k micro-batches, one after another in a lax.scan (so only one
     micro-batch's activations are alive at a time), averaged: the mean loss and gradient
-    of the whole batch, up to float rounding. BatchNorm normalises each micro-batch by
+    of the whole batch, up to float rounding. (Unrolled, XLA would be free to run the
+    micro-batches' forward passes side by side, and on the CPU it does: the memory
+    saving goes. The price of the scan on the CPU: XLA:CPU runs convolutions inside a
+    loop several times slower, as train.loop='auto' notes.) BatchNorm normalises each micro-batch by
     its own statistics and its running averages move k times; micro-batch i's dropout
     key is fold_in(dropout_key, i)."""
     def body(carry, batch):

@@ -334,3 +334,22 @@ def test_two_processes_of_four_devices_train_with_fsdp(eight_devices, tmp_path, 
     single = out["runs"]["vit_fsdp8"]["losses"]
     for step in single:
         assert abs(losses[step] - single[step]) < 1e-5
+
+
+def test_the_largest_batch_search_brackets_the_limit(monkeypatch):
+    """memory.largest_batch on a step whose peak is 100 MB + 1 MB an image, limit 612 MB:
+    512 fits, 520 does not, found in a few compiles (here: faked analyses)."""
+    from jaxtrain import memory
+    seen = []
+
+    def fake_step_memory(config):
+        seen.append(config.train.batch_size)
+        return {"peak_bytes": 100_000_000 + config.train.batch_size * 1_000_000}
+    monkeypatch.setattr(memory, "step_memory", fake_step_memory)
+    found = memory.largest_batch(get_config(), 612_000_000, multiple=8, start=128, max_probes=6)
+    assert (found["largest_batch"], found["smallest_failing_batch"], found["exact"]) == (
+        512, 520, True)
+    assert len(seen) <= 5 and seen[0] == 128
+    assert [p["fits"] for p in found["probes"]] == [p["batch_size"] <= 512 for p in found["probes"]]
+    nothing = memory.largest_batch(get_config(), 50_000_000, multiple=8, start=64)
+    assert nothing["largest_batch"] is None and nothing["smallest_failing_batch"] == 8
