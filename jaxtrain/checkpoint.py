@@ -257,5 +257,15 @@ def params_sha256(state) -> str:
     for tree in (state.params, state.batch_stats):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             digest.update(_path(path).encode())
-            digest.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+            digest.update(np.ascontiguousarray(host_value(leaf)).tobytes())
     return digest.hexdigest()
+
+
+def host_value(leaf) -> np.ndarray:
+    """An array's whole value on this host; one split over several processes'
+    devices (parallel.fsdp across machines) is gathered from all of them, so every
+    process must call this for it together."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))

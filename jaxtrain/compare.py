@@ -83,6 +83,8 @@ def torch_unsupported(config) -> list[str]:
             found.append(f"augment.{key}={config.augment[key]!r}")
     if config.data.placement == "stream":
         found.append("data.placement='stream' (the twins train from arrays in memory)")
+    if config.train.get("accumulate_steps", 1) > 1:
+        found.append(f"train.accumulate_steps={config.train.accumulate_steps!r}")
     return found
 
 
