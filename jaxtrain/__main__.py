@@ -100,6 +100,7 @@ def main(argv):
     except jaxtrain.Interrupted as error:
         print(f"stopped: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        jaxtrain.parallel.release_service()  # every process stops at this step together
         # the shell's convention for "killed by signal N"; os._exit: no interpreter teardown
         # racing XLA's threads (a compile cut short left some running)
         os._exit(128 + error.signum)

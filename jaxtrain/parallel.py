@@ -27,6 +27,7 @@ global mesh and feeds its own devices.
 import atexit
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -258,21 +259,59 @@ def coordination_service_apart(settings: dict, peer_timeout: float):
         yield  # another jaxlib, or an address we do not parse: the service stays here
         return
     port = address.rsplit(":", 1)[1]
+    linger = 2 * peer_timeout + 10  # how long a helper outlives a process 0 that was lost
+    if not wait_until_free(int(port), linger):
+        raise DistributedError(f"the coordinator's port {port} is still in use {linger:g} s "
+                               "on: another program listens there; choose another "
+                               "--coordinator_address")
     helper = subprocess.Popen([sys.executable, "-c", SERVICE_PROCESS, f"[::]:{port}",
                                str(settings["num_processes"]),
                                str(settings["heartbeat_timeout_seconds"]), str(os.getpid()),
-                               str(2 * peer_timeout + 10)],
+                               str(linger)],
                               start_new_session=True, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    SERVICE["helper"] = helper
+
     def stop_service():  # at a normal exit: JAX's shutdown barrier, then the service
         jax.distributed.shutdown()  # goes a few seconds later, when the others are out of
-        helper.terminate()  # it too (JAX's own exit handler then has nothing left to do)
+        release_service()  # it too (JAX's own exit handler then has nothing left to do)
     atexit.register(stop_service)
     module.get_distributed_runtime_service = lambda *args, **kwargs: _ServiceElsewhere()
     try:
         yield
     finally:
         module.get_distributed_runtime_service = original
+
+
+SERVICE = {}  # process 0's helper process hosting the coordination service, if any
+
+
+def release_service() -> None:
+    """Process 0 is leaving with the others (a normal end, or a stop every process agreed
+    on): its coordination service ends a few seconds later, when the others are out too,
+    instead of after the grace kept for a lost process 0, so that a rerun can start at
+    once on the same port."""
+    helper = SERVICE.pop("helper", None)
+    if helper is not None and helper.poll() is None:
+        helper.terminate()
+
+
+def wait_until_free(port: int, seconds: float) -> bool:
+    """Whether a server could listen on TCP `port` within `seconds`: the coordination
+    service of the run before (stopped, or its process 0 lost) may hold it that long, and
+    a service started beside it would share its connections."""
+    deadline = time.monotonic() + seconds
+    while True:
+        family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            try:
+                probe.bind(("::" if family == socket.AF_INET6 else "", port))
+                return True
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return False
+        time.sleep(0.2)
 
 
 def lost(process: int, why: str) -> None:

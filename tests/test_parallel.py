@@ -128,6 +128,28 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batc
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
     summary = json.loads((tmp_path / report.SUMMARY_FILE).read_text())
     assert summary["resumed_from_step"] == int(steps[0]) and summary["steps"] == 60
+    # the stopped run's coordination service was released with it: the rerun did not wait
+    # out the 70 s (2 x --peer_timeout + 10) it is kept for a lost process 0
+    assert summary["phase_seconds"]["imports"] < 40, summary["phase_seconds"]
+
+
+def test_a_coordinator_port_is_waited_for_while_a_service_holds_it():
+    """A rerun's process 0 waits for the port the run before's coordination service still
+    holds, rather than starting a second service that would share its connections."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as server:
+        server.bind(("::", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not parallel.wait_until_free(port, 0.3)
+    assert parallel.wait_until_free(port, 5.0)
+
+
+def test_a_stopped_run_releases_its_coordination_service():
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    parallel.SERVICE["helper"] = helper
+    parallel.release_service()
+    assert helper.wait(timeout=10) == -signal.SIGTERM and "helper" not in parallel.SERVICE
+    parallel.release_service()  # nothing left: nothing to do
 
 
 @pytest.mark.parametrize("lost", [0])  # process 0: the harder case (it hosts nothing now)
