@@ -32,35 +32,60 @@ def known_keys() -> set[str]:
     return set(flat_keys(defaults.get_config()))
 
 
+SIMILAR = 0.7  # difflib's ratio below which a spelling counts as another word
+
+
 def nearest_name(name: str, names) -> str | None:
     """The known name `name` most likely meant: one whose initials it is ('lr':
     learning_rate), which starts with or contains it ('epochs': num_epochs), else the
-    closest spelling."""
+    closest spelling (at least SIMILAR alike); None when nothing is that close."""
     names = sorted(names)
     for match in (lambda n: "".join(w[0] for w in n.split("_") if w) == name,
-                  lambda n: n.startswith(name), lambda n: name in n):
+                  lambda n: n.startswith(name), lambda n: len(name) > 2 and name in n):
         found = [n for n in names if len(name) > 1 and match(n)]
-        if found:
-            return found[0]
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        if found:  # the most alike of them
+            return max(found, key=lambda n: difflib.SequenceMatcher(None, name, n).ratio())
+    close = difflib.get_close_matches(name, names, n=1, cutoff=SIMILAR)
     return close[0] if close else None
 
 
+def nearest_key(key: str, known) -> str | None:
+    """The known key `key` most likely meant: the nearest name in its block (in the
+    nearest block, if its own is not one), else the same or a near name in another block
+    ('train.learning_rate': optimizer.learning_rate); None when none is near."""
+    block, _, name = key.rpartition(".")
+    blocks = {k.rpartition(".")[0] for k in known}
+    if block not in blocks:
+        near_block = nearest_name(block, blocks - {""}) if block else None
+        return nearest_key(f"{near_block}.{name}", known) if near_block else None
+    siblings = {k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == block}
+    nearest = nearest_name(name, siblings)
+    if nearest:
+        return f"{block}.{nearest}" if block else nearest
+    elsewhere = {k.rpartition(".")[2]: k for k in sorted(known, reverse=True)
+                 if k.rpartition(".")[0] != block}
+    close = difflib.get_close_matches(name, sorted(elsewhere), n=1, cutoff=SIMILAR)
+    return elsewhere[close[0]] if close else None
+
+
 def unknown_key_error(key: str, known) -> ConfigError:
-    """`unknown config key 'KEY' (did you mean 'NEAREST'?)`: the nearest name in the same
-    block, else the nearest key anywhere. A sweep of a key that cannot be swept says so."""
+    """`unknown config key 'KEY' (did you mean 'NEAREST'?)` (nearest_key); with nothing
+    near, the block's keys instead of a guess. A sweep of a key that cannot be swept
+    says so."""
     not_sweepable = replicas.not_sweepable_error(key, known)
     if not_sweepable is not None:
         return not_sweepable
-    block, _, name = key.rpartition(".")
-    siblings = {k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == block}
-    nearest = nearest_name(name, siblings) if siblings else None
-    guess = f"{block}.{nearest}" if nearest else None
-    if guess is None:
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        guess = close[0] if close else None
-    hint = f" (did you mean {guess!r}?)" if guess else " (jaxtrain/defaults.py lists every key)"
-    return ConfigError(f"unknown config key {key!r}{hint}")
+    guess = nearest_key(key, known)
+    if guess is not None:
+        return ConfigError(f"unknown config key {key!r} (did you mean {guess!r}?)")
+    block = key.rpartition(".")[0]
+    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == block)
+    if block and siblings:
+        return ConfigError(f"unknown config key {key!r}: {block} has no such key; its keys "
+                           f"are {', '.join(siblings)}")
+    top = sorted({k.partition(".")[0] for k in known})
+    return ConfigError(f"unknown config key {key!r}: the config's top-level names are "
+                       f"{', '.join(top)} (jaxtrain/defaults.py lists every key)")
 
 
 def check_keys(config) -> None:

@@ -17,16 +17,84 @@ def usage_error(message: str):
 
 def parse_flags(argv):
     """absl flag parsing (for app.run's flags_parser), with one-line errors: a bad value
-    names its flag, an unknown --config key is named with the nearest known one."""
+    names its flag, an unknown --config key is named with the nearest known one.
+    --config.model.kwargs.NAME=VALUE sets an argument of a model of your own (checked
+    against its class), which the config file need not have."""
     check_config_flag(argv)
+    argv, model_kwargs = split_model_kwargs(argv)
+    if model_kwargs:  # ml_collections reads the overrides from sys.argv itself
+        sys.argv = [arg for arg in sys.argv if not arg.startswith(KWARGS_FLAG)
+                    or arg in argv]
     try:
-        return flags.FLAGS(argv)
+        remaining = flags.FLAGS(argv)
+        if model_kwargs:
+            set_model_kwargs(flags.FLAGS.config, model_kwargs)
+        return remaining
     except flags.Error as error:
         usage_error(str(error).splitlines()[0])
     except (AttributeError, KeyError) as error:  # ml_collections: no such key
         usage_error(unknown_override(argv, error))
     except Exception as error:  # the config file itself failed (raised in get_config)
         usage_error(f"--config: {config_path(argv)} failed: {type(error).__name__}: {error}")
+
+
+KWARGS_FLAG = "--config.model.kwargs."
+
+
+def split_model_kwargs(argv) -> tuple[list, dict]:
+    """(argv without the --config.model.kwargs.NAME=VALUE flags the config file does not
+    hold, {NAME: VALUE as typed}): ml_collections only overrides keys a config has."""
+    config = None
+    kept, kwargs = [], {}
+    for arg in argv:
+        name, has_value, value = arg[len(KWARGS_FLAG):].partition("=")
+        if not arg.startswith(KWARGS_FLAG) or not has_value or "." in name:
+            kept.append(arg)
+            continue
+        if config is None:
+            config = load_config_file(argv) or {}
+        if config and has_key(config, f"model.kwargs.{name}"):
+            kept.append(arg)  # the file sets it: ml_collections parses it by its type
+        else:
+            kwargs[name] = value
+    return kept, kwargs
+
+
+def set_model_kwargs(config, kwargs: dict) -> None:
+    """model.kwargs.NAME = VALUE for a model of your own, after checking that its class
+    takes NAME; VALUE is read as a Python literal (32, 0.5, (16, 32), True), else kept
+    as text. Anything wrong is a one-line usage error."""
+    import ast
+
+    from jaxtrain import checks, user_model
+    name = config.model.name
+    flag = KWARGS_FLAG + next(iter(kwargs))
+    if not user_model.is_user_model(name):
+        usage_error(f"{flag}: model.kwargs are the arguments of a model of your own "
+                    f"(model.name='package.module:Class'); model.name={name!r} is built in "
+                    "and takes model.* keys (jaxtrain/defaults.py)")
+    try:
+        cls = user_model.import_model_class(name)
+    except ValueError as error:
+        usage_error(str(error))
+    names, any_name = user_model.argument_names(cls)
+    for key in kwargs:
+        if not any_name and key not in names:
+            nearest = checks.nearest_name(key, names)
+            hint = f"did you mean {nearest!r}? " if nearest else ""
+            usage_error(f"{KWARGS_FLAG}{key}: {cls.__name__} takes no argument {key!r} "
+                        f"({hint}it takes {', '.join(names) or 'none'})")
+    parsed = {}
+    for key, text in kwargs.items():
+        try:
+            parsed[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            parsed[key] = text
+    with config.unlocked():
+        if "kwargs" not in config.model:
+            config.model.kwargs = {}
+        for key, value in parsed.items():
+            config.model.kwargs[key] = value
 
 
 def config_path(argv) -> str | None:

@@ -71,6 +71,22 @@ def _accepts(cls, name: str) -> bool:
     return name in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
 
 
+def argument_names(cls) -> tuple[list[str], bool]:
+    """(the names a model class is built with, whether it takes any name: **kwargs): a
+    Linen class's dataclass fields (not Flax's own parent and name), an NNX class's
+    __init__ parameters (not rngs, which the bridge supplies)."""
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls) if f.init
+                and f.name not in ("parent", "name")], False
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return [], True
+    names = [name for name, p in parameters.items() if name not in ("self", "rngs")
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
 def build(cls, num_classes: int, dtype, kwargs: dict) -> nn.Module:
     """A Linen module from a Linen or NNX class (see the module docstring)."""
     kwargs = dict(kwargs)

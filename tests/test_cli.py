@@ -67,6 +67,64 @@ def test_an_unknown_key_set_in_python_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_key_like_no_known_one_lists_its_blocks_keys_instead_of_a_wrong_guess():
+    """'train.early_stopping' used to suggest 'train.label_smoothing' (the shared 'train.'
+    made them look alike)."""
+    known = checks.known_keys()
+    message = str(checks.unknown_key_error("train.early_stopping", known))
+    assert "did you mean" not in message
+    assert message.startswith("unknown config key 'train.early_stopping': train has no such "
+                              "key; its keys are accumulate_steps, batch_size, ")
+    assert "label_smoothing" in message and "num_epochs" in message
+    # near spellings and keys of another block are still found
+    for typed, meant in (("model.init_fro", "model.init_from"), ("train.batchsize",
+                                                                  "train.batch_size"),
+                         ("optimizer.lr", "optimizer.learning_rate"),
+                         ("train.learning_rate", "optimizer.learning_rate"),
+                         ("eval.tta_frac", "eval.tta_fraction")):
+        assert str(checks.unknown_key_error(typed, known)).endswith(
+            f"(did you mean {meant!r}?)"), typed
+    assert str(checks.unknown_key_error("trainer.steps", known)).endswith(
+        "(did you mean 'train.num_steps'?)")  # the nearest block, then its nearest key
+    message = str(checks.unknown_key_error("foo.bar", known))
+    assert "did you mean" not in message and "top-level names are augment, " in message
+
+
+@pytest.fixture
+def my_model(tmp_path):
+    """docs/models.md's model module, on the PYTHONPATH of main.py's process."""
+    from test_user_model import readme_example
+    (tmp_path / "mynets.py").write_text(readme_example())
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+
+
+def test_a_user_models_arguments_are_set_from_the_command_line(my_model, tmp_path,
+                                                                cifar_batches_dir):
+    """--config.model.kwargs.width=8 reaches TinyNet(width=8); a typo is one line naming
+    what the class takes; on a built-in model, one line saying kwargs are not its keys."""
+    common = ["--config=configs/cifar_seed_cnn.py", "--config.model.name=mynets:TinyNet",
+              f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
+              "--config.train.num_steps=1", "--config.eval.batch_size=500"]
+    result = run_main(*common, f"--workdir={tmp_path / 'w8'}", "--config.model.kwargs.width=8",
+                      env=my_model)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "w8" / "summary.json").read_text())
+    assert summary["config"]["model"]["kwargs"] == {"width": 8}
+    # conv 3->8 and 8->16 (3x3 with bias), BatchNorm scale+bias, dense 16->10
+    assert summary["param_count"] == (27 * 8 + 8) + 16 + (72 * 16 + 16) + 32 + (16 * 10 + 10)
+
+    result = run_main(*common, f"--workdir={tmp_path / 'typo'}", "--config.model.kwargs.widht=8",
+                      env=my_model)
+    assert_one_line_error(result, 2, "--config.model.kwargs.widht: TinyNet takes no argument "
+                                     "'widht' (did you mean 'width'? it takes num_classes, "
+                                     "width, dtype)")
+    result = run_main(*common, "--config.model.name=cifar_cnn", f"--workdir={tmp_path / 'b'}",
+                      "--config.model.kwargs.width=8", env=my_model)
+    assert_one_line_error(result, 2)
+    assert "model.name='cifar_cnn' is built in" in result.stderr
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "b").exists()
+
+
 # ---------------------------------------------------------------- every value checked
 
 def bad_values(key: str, default):
