@@ -319,6 +319,39 @@ def check_config(config) -> None:
     replicas.check_sweep(config)
 
 
+def with_absolute_paths(config):
+    """A copy of `config` with data.dir, and model.init_from when it is a local file or
+    folder, as absolute paths: the run's config.json is then read the same from any
+    directory (a resume, --mode=eval, restore). Names ('torchvision:resnet50') and
+    URLs stay as they are."""
+    import copy
+    import os
+
+    def absolute(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path))
+
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        if config.data.dir and "://" not in config.data.dir:
+            config.data.dir = absolute(config.data.dir)
+        init_from = config.model.get("init_from", "")
+        if init_from and "://" not in init_from and os.path.exists(os.path.expanduser(init_from)):
+            config.model.init_from = absolute(init_from)
+    return config
+
+
+def moved_data_dir(saved: dict, config) -> str | None:
+    """The data.dir a workdir's run read, when it is gone and `config` reads another one
+    (the data moved); else None."""
+    import os
+    before = saved.get("data", {}).get("dir", "")
+    after = config.data.dir
+    if before and after and before != after and os.path.isabs(before) \
+            and not os.path.exists(before) and os.path.exists(after):
+        return before
+    return None
+
+
 # Keys whose change leaves the training trajectory as it was (reporting, evaluation,
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).

@@ -5,7 +5,6 @@ checkpoints, the user's callbacks, stops), then writes the summary. Resumes exac
 What the actions share lives in a Session: the setup (prepare.py), the state and its
 step, the checkpoint manager (checkpoint.py), the reporter (report.py), the phase clock
 (phases.py) and the compiled programs."""
-import copy
 import json
 import os
 
@@ -40,6 +39,10 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     """
     clock = phases.Clock(start_time, say=print_now if parallel.is_main_process() else None)
     clock.lap("imports", "imported JAX, Flax and jaxtrain" if start_time is not None else None)
+    config = checked_config(config, workdir, model)
+    complete = completed_summary(workdir, config)
+    if complete is not None:  # nothing left to train: say so instead of starting anew
+        return complete
     session, user_callbacks = start(config, workdir, model, clock, profile_steps, warm_up,
                                     callbacks)
     checkpoints = actions.Checkpoints(session)
@@ -138,20 +141,54 @@ class Session:
         self.manager.close()
 
 
+def checked_config(config, workdir: str, model=None):
+    """The run's config, checked (checks.check_config), with absolute paths, the name of a
+    model passed in, and resumable from what `workdir` holds (check_resumable); a copy."""
+    signals.enter_phase("checking the config; nothing written yet")
+    checks.check_config(config)
+    config = checks.with_absolute_paths(config)  # a copy: the caller's stays as it was
+    if model is not None:
+        with config.unlocked():
+            config.model.name = user_model.instance_name(model)
+    check_resumable(workdir, config)
+    return config
+
+
+def completed_summary(workdir: str, config) -> dict | None:
+    """summary.json of a run in `workdir` that already reached the end `config` asks for
+    (its newest checkpoint is the summary's last step), after one line saying so; None
+    when there is anything left to train. Nothing is loaded, compiled or evaluated."""
+    path = os.path.join(workdir, report.SUMMARY_FILE)
+    steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    if not steps or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable: the run writes it anew
+    train = config.train
+    asked = (summary.get("steps") == train.num_steps if train.num_steps > 0
+             else summary.get("epochs") == train.num_epochs)
+    if max(steps) != summary.get("steps") or not asked:
+        return None
+    if parallel.is_main_process():
+        accuracy = summary.get("test_accuracy")
+        print_now(f"the run in {workdir} is complete: step {summary['steps']} of "
+                  f"{summary['steps']}, test accuracy "
+                  + (f"{accuracy:.2%}" if isinstance(accuracy, (int, float)) else "n/a")
+                  + f"; its summary is {path} (--mode=eval evaluates it again; another "
+                  "--workdir starts a new run)")
+    return summary
+
+
 def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool, given=()):
     """Everything before the first chunk: the config checked, the data and model built,
     the checkpoint restored, the programs compiled, the console's header printed.
     Returns (Session, the user's callbacks)."""
     main_process = parallel.is_main_process()
-    signals.enter_phase("checking the config; nothing written yet")
-    checks.check_config(config)
     user_callbacks = callbacks_lib.from_config(config, given)
     cache_dir = xla_cache.enable(config.train.compilation_cache)
-    if model is not None:
-        config = copy.deepcopy(config)
-        with config.unlocked():
-            config.model.name = user_model.instance_name(model)
-    check_resumable(workdir, config)
     mesh = prepare.create_mesh(config)
     prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
@@ -510,6 +547,12 @@ def check_resumable(workdir: str, config) -> None:
     except (OSError, ValueError) as error:
         raise checkpoint.CheckpointError(f"{path}: cannot be read ({error}); it records the "
                                          "recipe of the checkpoints beside it") from None
+    moved = checks.moved_data_dir(saved, config)
+    if moved is not None:  # the same recipe on data that moved
+        saved["data"]["dir"] = config.data.dir
+        if parallel.is_main_process():
+            print(f"data.dir moved: the checkpoints' run read {moved} (no longer there); "
+                  f"resuming with {config.data.dir}", flush=True)
     changes = checks.recipe_changes(saved, config)
     if not changes:
         return

@@ -316,3 +316,47 @@ def test_which_best_needs_a_best_metric(reference):
     workdir, _ = reference
     with pytest.raises(ValueError, match=r"^which='best': the run in .* kept no best checkpoint"):
         jaxtrain.restore(str(workdir), which="best")
+
+
+# ---------------------------------------------------------------- paths, finished runs
+
+def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
+        cifar_subset, tmp_path, monkeypatch, capsys):
+    """data.dir typed relative ('data/cifar.npz' from A) is stored absolute, so a rerun
+    from elsewhere (B, another relative path to the same file) finds the run complete in
+    one line, without a table or an evaluation; --mode=eval from B needs no data.dir;
+    data that moved is said so and resumed."""
+    (tmp_path / "A" / "data").mkdir(parents=True)
+    (tmp_path / "B").mkdir()
+    np.savez(tmp_path / "A" / "data" / "cifar.npz", x_train=cifar_subset["x_train"][:64],
+             y_train=cifar_subset["y_train"][:64], x_test=cifar_subset["x_test"][:32],
+             y_test=cifar_subset["y_test"][:32])
+    workdir = str(tmp_path / "run")
+
+    def run(cwd, data_dir, steps=4):
+        monkeypatch.chdir(cwd)
+        config = small_config(data_dir, data__name="arrays", data__source="auto",
+                              train__num_steps=steps, train__batch_size=16)
+        summary = loop.train_and_evaluate(config, workdir)
+        return summary, capsys.readouterr().out
+
+    first, _ = run(tmp_path / "A", "data/cifar.npz")
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["data"]["dir"] == str(tmp_path / "A" / "data" / "cifar.npz")
+
+    again, out = run(tmp_path / "B", "../A/data/cifar.npz")
+    assert out.strip() == (
+        f"the run in {workdir} is complete: step 4 of 4, test accuracy "
+        f"{first['test_accuracy']:.2%}; its summary is {workdir}/summary.json (--mode=eval "
+        "evaluates it again; another --workdir starts a new run)")
+    assert again == json.loads((tmp_path / "run" / "summary.json").read_text())
+
+    monkeypatch.chdir(tmp_path / "B")  # --mode=eval: the run's own config, nothing given
+    metrics = evaluation.evaluate_checkpoint(evaluation.run_config(workdir), workdir)
+    assert metrics["test_accuracy"] == pytest.approx(first["test_accuracy"])
+
+    (tmp_path / "A" / "data").rename(tmp_path / "A" / "moved")
+    resumed, out = run(tmp_path / "B", "../A/moved/cifar.npz", steps=6)
+    assert (f"data.dir moved: the checkpoints' run read {tmp_path / 'A' / 'data' / 'cifar.npz'}"
+            f" (no longer there); resuming with {tmp_path / 'A' / 'moved' / 'cifar.npz'}") in out
+    assert resumed["steps"] == 6 and resumed["resumed_from_step"] == 4
