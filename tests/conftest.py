@@ -106,8 +106,10 @@ def no_internet_downloads():
     os.environ.setdefault('JAXTRAIN_DOWNLOAD_MIRROR', 'http://127.0.0.1:9/')
 
 
-HOW_TO_GET_DATA = ('no CIFAR-10 test data: put shared/data beside the checkout, or run '
-                   '`python -m jaxtrain.data download cifar10` (into ~/.cache/jaxtrain)')
+HOW_TO_GET_DATA = ('no CIFAR-10 test data: put shared/data (its cifar10_jpeg.npz) beside the '
+                   'checkout as ../shared/data, set $JAXTRAIN_DATA_DIR to a folder holding '
+                   'cifar-10-batches-py, or run `python -m jaxtrain.data download cifar10` '
+                   '(into ~/.cache/jaxtrain)')
 
 
 @pytest.fixture(scope='session')
@@ -122,8 +124,9 @@ def shared_data_dir():
 @pytest.fixture(scope='session')
 def cifar_subset():
     """First 2000 train / 500 test real CIFAR-10 images as numpy arrays: the JPEG copy in
-    ../shared/data, else a CIFAR-10 that `python -m jaxtrain.data download cifar10` put in
-    the cache, else every test that needs them is skipped with one line."""
+    ../shared/data, else a CIFAR-10 in $JAXTRAIN_DATA_DIR or the cache (where `python -m
+    jaxtrain.data download cifar10` puts it), else every test that needs them is skipped
+    with one line saying how to provide it."""
     npz = SHARED_DATA / NPZ_NAME
     if npz.is_file():
         x_train, y_train = decode_jpegs(npz, 'train', N_TRAIN)

@@ -641,3 +641,29 @@ def test_tfds_labels_out_of_range_are_refused(fake_tfds):
     fake_tfds.next_builder.info.features['label'].names = ['cat']  # labels 0 and 1, one class
     with pytest.raises(DataError, match=r'tfds:cifar10: train labels do not match'):
         data.load_tfds('cifar10', download=False)
+
+
+def test_without_cifar10_the_tests_are_skipped_with_the_ways_to_provide_it(tmp_path):
+    """A checkout without ../shared/data, an empty cache and no $JAXTRAIN_DATA_DIR: the
+    tests that need CIFAR-10 skip with one line naming all three ways to provide it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    checkout = tmp_path / "checkout" / "tests"  # no shared/ beside 'checkout'
+    checkout.mkdir(parents=True)
+    shutil.copy(Path(__file__).parent / "conftest.py", checkout)
+    (checkout / "test_needs_data.py").write_text(
+        "def test_it(cifar_subset):\n    assert False, 'not skipped'\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "JAXTRAIN_DATA_DIR"}
+    env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(repo))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p",
+                             "no:cacheprovider", str(checkout)], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "1 skipped" in result.stdout, result.stdout[-2000:]
+    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 1
+    for way in ("../shared/data", "$JAXTRAIN_DATA_DIR", "python -m jaxtrain.data download"):
+        assert way in skipped[0], skipped[0]
