@@ -1,4 +1,5 @@
 """Tests for jaxtrain.data: CIFAR-10 files, search order, safety, tfds wrapping."""
+import importlib.util
 import io
 import os
 import pickle
@@ -311,6 +312,20 @@ def test_auto_falls_back_to_tfds_and_reports_everything(tmp_path, isolated_env, 
     assert 'simulated tfds failure' in msg
     for hint in ('data.dir', '$JAXTRAIN_DATA_DIR', '~/.cache/jaxtrain', '--config.data.dir', "data.source='tfds'"):
         assert hint in msg
+
+
+def test_tfds_without_tensorflow_says_how_to_install_it(monkeypatch):
+    """The tfds extra brings tensorflow-datasets but not TensorFlow: the source says the
+    one command that makes it work."""
+    import sys
+    monkeypatch.setitem(sys.modules, 'tensorflow', None)  # import tensorflow fails
+    if importlib.util.find_spec('tensorflow_datasets') is None:
+        pytest.skip('tensorflow-datasets is not installed')
+    with pytest.raises(DataError) as e:
+        data.load_tfds('cifar10')
+    assert str(e.value).startswith('tfds:cifar10: tensorflow is not installed, '
+                                   'tensorflow-datasets needs it (pip install tensorflow)')
+    assert '\n' not in str(e.value)
 
 
 def test_auto_uses_tfds_result_when_no_files(tmp_path, isolated_env, monkeypatch, cifar_subset):

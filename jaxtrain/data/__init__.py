@@ -138,8 +138,9 @@ def _not_found_report(name, dirs, looked_for) -> str:
 def _how_to_provide(provide: str) -> str:
     return (f'To provide the data, put {provide} into data.dir, '
             f'${ENV_VAR} or {CACHE_DIR} (e.g. pass --config.data.dir=DIR), '
-            f"or let jaxtrain fetch it: data.source='download' or data.source='tfds' "
-            f"(or ahead of time: python -m jaxtrain.data download NAME).")
+            f"or let jaxtrain fetch it: data.source='download', or data.source='tfds' "
+            f"(after pip install tensorflow; or ahead of time: python -m jaxtrain.data "
+            f"download NAME).")
 
 
 # ---------------------------------------------------------------------------
