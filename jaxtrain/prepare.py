@@ -36,6 +36,18 @@ class Setup(NamedTuple):
     shardings: Any = None  # where the state lives: one sharding, or parallel.fsdp's tree of them
 
 
+def fitting_batch(num_images: int, multiple: int = 1) -> int | None:
+    """A batch size for a training split of num_images: the largest power of two (times
+    `multiple`, the devices x accumulate_steps it must split into) giving at least 8
+    steps an epoch, else the largest multiple that fits; None if none does."""
+    if num_images < multiple:
+        return None
+    batch = multiple
+    while batch * 2 * 8 <= num_images:
+        batch *= 2
+    return batch
+
+
 def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation).
 
@@ -71,8 +83,13 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     batch_size = config.train.batch_size
     steps_per_epoch = len(dataset.x_train) // batch_size
     if steps_per_epoch == 0:
+        multiple = (mesh.size if mesh is not None else jax.device_count()) * \
+            config.train.accumulate_steps
+        fits = fitting_batch(len(dataset.x_train), multiple)
+        fix = (f": use a smaller one, e.g. --config.train.batch_size={fits} "
+               f"({len(dataset.x_train) // fits} steps an epoch)" if fits else "")
         raise ConfigError(f"config.train.batch_size={batch_size} is larger than the training "
-                          f"split ({len(dataset.x_train)} images)")
+                          f"split ({len(dataset.x_train)} images){fix}")
     total_steps = (config.train.num_steps if config.train.num_steps > 0
                    else config.train.num_epochs * steps_per_epoch)
     if model is not None:

@@ -159,7 +159,9 @@ def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
     ("train__precision", "float16", "config.train.precision='float16'"),
     ("eval__tta", "rotate", "config.eval.tta='rotate'"),
     ("train__batch_size", 0, "config.train.batch_size=0"),
-    ("train__batch_size", 4000, "larger than the training split"),
+    ("train__batch_size", 4000, "config.train.batch_size=4000 is larger than the training "
+                                "split (2000 images): use a smaller one, e.g. "
+                                "--config.train.batch_size=128 (15 steps an epoch)"),
     ("data__mean", (0.5, 0.5), "config.data.mean=(0.5, 0.5)"),
     ("model__stem_init", "pca", "config.model.stem_init='pca'"),
     ("model__stem_width", 7, "config.model.stem_width=7: a whitened stem needs an even width"),
