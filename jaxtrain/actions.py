@@ -4,7 +4,9 @@ callbacks and the stops. loop.py runs them in that fixed order after every chunk
 a callback sees rows already logged and the checkpoint that holds its step.
 
 Each action keeps its own state and may implement any of: start() once before the
-first chunk, before_chunk(chunk), after_chunk(chunk), finish() after the last one,
+first chunk, before_chunk(chunk), between_steps(chunk, done, metrics) after each step
+of a chunk run one call per step (done: its steps so far; metrics: the step's, maybe
+still computing), after_chunk(chunk), finish() after the last one,
 close() on the way out (also after an error), summarize(summary) to add to
 summary.json, and run_end(summary) once summary.json is written. `session` (loop.py)
 holds what the run shares: the state, the step, the reporter, the clock, the
@@ -13,6 +15,7 @@ checkpoint manager.
 import dataclasses
 import os
 import signal
+import time
 
 import jax
 import numpy as np
@@ -50,6 +53,9 @@ class Action:
         pass
 
     def before_chunk(self, chunk: Chunk):
+        pass
+
+    def between_steps(self, chunk: Chunk, done: int, metrics):
         pass
 
     def after_chunk(self, chunk: Chunk):
@@ -117,6 +123,66 @@ def finish_profile(workdir: str, traced, seconds: float, reporter) -> dict:
                         f"(profile plugin), or open {perfetto} at ui.perfetto.dev\n"
                         + profile.format_op_table(table))
     return table
+
+
+LONG_RUN_SECONDS = 600  # training projected past this: say so, once
+
+
+class Projection(Action):
+    """One line, once, when the training left is projected past LONG_RUN_SECONDS: after
+    the first chunk, or inside it after a few steps when it runs one call per step (a
+    CPU's convolutional chunk can take an hour); on a CPU it names the recipes sized
+    for one. The first step of a chunk is not timed (it may carry first-run costs)."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.said = not parallel.is_main_process()
+        self.mark = None  # (time, steps done) where the timing starts
+
+    def before_chunk(self, chunk):
+        self.mark = None
+
+    def between_steps(self, chunk, done, metrics):
+        if self.said:
+            return
+        if done == 1 or self.mark is None:
+            jax.block_until_ready(metrics)  # dispatch runs ahead: time finished steps
+            self.mark = (time.perf_counter(), done)
+            return
+        began, at = self.mark
+        if done - at >= 3 or time.perf_counter() - began >= 10:
+            jax.block_until_ready(metrics)
+            self.project((time.perf_counter() - began) / (done - at), chunk.previous + done)
+
+    def after_chunk(self, chunk):
+        if chunk.step > chunk.previous:
+            self.project(chunk.seconds / (chunk.step - chunk.previous), chunk.step)
+
+    def project(self, seconds_per_step: float, step: int):
+        if self.said:
+            return
+        self.said = True
+        s = self.session
+        left = s.setup.total_steps - step
+        seconds = left * seconds_per_step
+        if seconds <= LONG_RUN_SECONDS:
+            return
+        line = (f"projected: about {duration(seconds)} of training left ({left:,} steps at "
+                f"{seconds_per_step:.3g} s a step on {jax.devices()[0].device_kind}; "
+                "evaluations not counted)")
+        if jax.default_backend() == "cpu":
+            narrower = ("a narrower cifar_cnn (--config.model.widths=(16,32,64)), "
+                        if s.config.model.name == "cifar_cnn" else "")
+            line += (f". This recipe is sized for a GPU; on a CPU, {narrower}"
+                     "configs/fashion_mnist_cnn.py, configs/cifar_seed_cnn.py or "
+                     "configs/fashion_mnist_mlp.py train in minutes")
+        s.reporter.print_line(line)
+
+
+def duration(seconds: float) -> str:
+    """'3 h 20 min', '45 min'."""
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
 class Rows(Action):

@@ -47,8 +47,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                                     callbacks)
     checkpoints = actions.Checkpoints(session)
     steps = [actions.Profile(session), actions.Rows(session), actions.Evaluation(session),
-             actions.Log(session), checkpoints, actions.UserCallbacks(session, user_callbacks),
-             actions.Stops(session, checkpoints)]
+             actions.Log(session), actions.Projection(session), checkpoints,
+             actions.UserCallbacks(session, user_callbacks), actions.Stops(session, checkpoints)]
     try:
         with signals.StopRequest() as session.signal:
             for action in steps:
@@ -59,7 +59,8 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
                 chunk = actions.Chunk(epoch, first_step, length, previous=session.step)
                 for action in steps:
                     action.before_chunk(chunk)
-                session.run(chunk)  # the compiled program; nothing else inside
+                session.run(chunk, between_steps=lambda done, metrics, chunk=chunk: [
+                    action.between_steps(chunk, done, metrics) for action in steps])
                 for action in steps:
                     action.after_chunk(chunk)
             for action in steps:
@@ -101,13 +102,22 @@ class Session:
         # One process alone may not stop mid-chunk: the others would wait for it forever.
         self.single_process = jax.process_count() == 1
 
-    def run(self, chunk) -> None:
-        """Runs `chunk`'s compiled program on the state; times it."""
+    def run(self, chunk, between_steps=None) -> None:
+        """Runs `chunk`'s compiled program on the state; times it. A chunk run one call
+        per step calls between_steps(steps done, the step's metrics) after each and can
+        stop after any (a signal, in a single-process run)."""
         streaming = self.stream is not None
         waited = self.stream.wait_seconds if streaming else 0.0
+        done = [0]
+
+        def after_step(metrics) -> bool:
+            done[0] += 1
+            if between_steps is not None:
+                between_steps(done[0], metrics)
+            return self.single_process and bool(self.signal())
         (self.state, metrics), chunk.seconds = train.timed(
             self.run_chunk, self.state, self.data_key, chunk.epoch, chunk.first_step,
-            chunk.length, self.signal if self.single_process else None)
+            chunk.length, after_step)
         chunk.metrics = jax.device_get(metrics)
         chunk.wait = self.stream.wait_seconds - waited if streaming else 0.0
         self.train_seconds += chunk.seconds

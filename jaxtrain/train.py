@@ -363,7 +363,7 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
 
     A scanned chunk is one train_epoch_chunk program, run to its end. The Python
     loop computes the epoch's order once per epoch and calls one compiled
-    train_step_at per step; it can stop after any step when should_stop() says
+    train_step_at per step; it can stop after any step when should_stop(metrics) says
     so. `out_sharding` places the new state and the metrics (replicated, for
     data parallelism), or is a pair (the state's, the metrics'). With `replicas`,
     the state and data_key carry a leading axis of independent runs, trained
@@ -414,13 +414,14 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
 def step_by_step(take_step, state, first_step: int, num_steps: int, should_stop=None,
                  replicas: bool = False):
     """A chunk as one compiled call per step: take_step(state, step) -> (state, metrics)
-    for each step (stopping after any step should_stop() asks to); (state, summary),
-    a summary per replica (leading axis) with `replicas`."""
+    for each step (stopping after any step should_stop(its metrics) asks to; they may
+    still be computing: dispatch runs ahead); (state, summary), a summary per replica
+    (leading axis) with `replicas`."""
     metrics = []
     for step in range(first_step, first_step + num_steps):
         state, step_metrics = take_step(state, step)
         metrics.append(step_metrics)
-        if should_stop is not None and should_stop():
+        if should_stop is not None and should_stop(step_metrics):
             break
     stacked = jax.tree.map(lambda *values: jnp.stack(values), *metrics)
     steps = jnp.arange(first_step, first_step + len(metrics), dtype=jnp.int32)

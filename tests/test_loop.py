@@ -133,6 +133,7 @@ def test_the_console_names_each_phase_as_it_ends(profiled_run):
              for start in starts]
     assert found == sorted(found) and found[0] == 0, lines[:6]
     assert lines[-2].startswith("time: imports ") and "; total " in lines[-2]
+    assert not any(line.startswith("projected:") for line in lines)  # a short run says none
 
 
 def test_the_summary_accounts_for_the_whole_process(profiled_run):
@@ -197,3 +198,31 @@ def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
+        cifar_batches_dir, tmp_path, monkeypatch, capsys):
+    """Past actions.LONG_RUN_SECONDS (here 0 s) one line says how long is left, after a
+    few timed steps of the first chunk (a CPU's convolutional chunk may take an hour),
+    and on a CPU which recipes suit it."""
+    from configs import cifar_seed_cnn
+    from jaxtrain import actions
+    monkeypatch.setattr(actions, "LONG_RUN_SECONDS", 0.0)
+    config = cifar_seed_cnn.get_config()
+    config.data.dir, config.data.source = str(cifar_batches_dir), "files"
+    config.train.num_steps, config.train.batch_size = 12, 50  # one chunk, a call per step
+    loop.train_and_evaluate(config, str(tmp_path))
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("projected:")]
+    assert len(lines) == 1, lines
+    # steps 2-4 timed (step 1 may carry first-run costs): 8 of the 12 left
+    assert lines[0].startswith("projected: about 0 min of training left (8 steps at "), lines
+    assert lines[0].endswith("This recipe is sized for a GPU; on a CPU, configs/"
+                             "fashion_mnist_cnn.py, configs/cifar_seed_cnn.py or "
+                             "configs/fashion_mnist_mlp.py train in minutes")
+
+
+def test_durations_read_as_hours_and_minutes():
+    from jaxtrain import actions
+    assert [actions.duration(s) for s in (45 * 60, 3 * 3600 + 20 * 60, 601)] == [
+        "45 min", "3 h 20 min", "10 min"]
