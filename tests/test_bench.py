@@ -255,3 +255,31 @@ def test_a_gpu_trace_is_read_from_the_device_plane_s_xla_ops_line():
                                                    events=[event("memcpy", 100)])])
     source, events = profile.op_events(Obj(planes=[host, unnamed]))
     assert events == [] and source.startswith("/device:GPU:0: no XLA op named")
+
+
+def test_memory_prints_what_the_step_needs_per_device_before_anything_runs(cifar_batches_dir,
+                                                                            tmp_path):
+    """`bench --memory` as a user types it, on 2 devices: the plain step and the same with
+    all three knobs, each described in lines and in its JSON (XLA's own analysis)."""
+    results = {}
+    for name, flags in (("plain", ()), ("knobs", ("--config.parallel.fsdp=2",
+                                                  "--config.train.accumulate_steps=2",
+                                                  "--config.model.name=cifar_cnn",
+                                                  "--config.model.widths=(16,32,32)",
+                                                  "--config.model.remat=True"))):
+        path = tmp_path / f"{name}.json"
+        result = run(["-m", "jaxtrain.bench", "--config=configs/cifar_seed_cnn.py",
+                      f"--config.data.dir={cifar_batches_dir}", "--config.train.batch_size=64",
+                      "--memory", f"--json={path}", *flags], env=TWO_CPUS)
+        assert result.returncode == 0, result.stderr[-2000:]
+        results[name] = (json.loads(path.read_text()), result.stdout)
+    plain, out = results["plain"]
+    assert out.startswith("seed_cnn batch 64 at 32x32x3, float32, accumulate_steps=1, "
+                          "remat=False, replicated over 2 device(s) (cpu)")
+    assert "  per device: arguments " in out and "  peak " in out
+    assert plain["peak_bytes"] == (plain["arguments_bytes"] + plain["outputs_bytes"]
+                                   - plain["alias_bytes"] + plain["temporaries_bytes"]) > 0
+    knobs, out = results["knobs"]
+    assert "accumulate_steps=2, remat=True, fsdp=2 over 2 devices" in out
+    assert (knobs["fsdp"], knobs["accumulate_steps"], knobs["remat"]) == (2, 2, True)
+    assert knobs["params_bytes_per_device"] > 0 and knobs["temporaries_bytes"] > 0
