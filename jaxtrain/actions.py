@@ -219,10 +219,10 @@ class Evaluation(Action):
 
     def evaluate(self, step: int, counted: bool = True):
         s = self.session
-        metrics, seconds = train.timed(s.eval_fn, s.state, *s.eval_arrays)
+        metrics, seconds = self.timed_evaluation(s.state, step)
         s.test_metrics, s.test_step = host_metrics(metrics), step
         if s.state.ema is not None:  # train.ema_decay: the averaged weights too
-            metrics, more = train.timed(s.eval_fn, train.ema_weights(s.state), *s.eval_arrays)
+            metrics, more = self.timed_evaluation(train.ema_weights(s.state), step)
             s.test_metrics.update({f"{name}_ema": value
                                    for name, value in host_metrics(metrics).items()})
             seconds += more
@@ -230,6 +230,26 @@ class Evaluation(Action):
             s.eval_seconds += seconds
             s.train_seconds += seconds
         s.clock.lap("eval")
+
+    def timed_evaluation(self, state, step: int):
+        """(metrics, seconds) of the test split, batch by batch with a progress bar; a
+        signal between two batches (agreed by every process) stops the run there, saving
+        nothing new and naming the newest checkpoint."""
+        s = self.session
+        several = jax.process_count() > 1
+        with s.reporter.evaluation_progress(s.eval_fn.batches) as bar:
+            try:
+                return train.timed(s.eval_fn, state, *s.eval_arrays,
+                                   lambda: parallel.any_process(bool(s.signal())) if several
+                                   else bool(s.signal()), bar.update)
+            except train.EvaluationStopped:
+                pass
+        checkpoint.wait(s.manager)
+        saved = checkpoint.saved_steps(s.manager.directory)
+        newest = (f"the newest checkpoint is {s.manager.directory}/{max(saved)}; run the same "
+                  "command again to resume from it" if saved else "no checkpoint was saved yet")
+        raise signals.Interrupted(s.signal.signal or signal.SIGTERM, phase=(
+            f"evaluating step {step}; nothing new saved: {newest}"))
 
     def finish(self):
         # A finished run resumed, or one stopped early between evaluations: the summary's

@@ -7,7 +7,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxtrain import checkpoint, defaults, parallel, prepare, replicas, train, xla_cache
+from jaxtrain import checkpoint, defaults, parallel, prepare, replicas, report, train, xla_cache
 
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
@@ -61,7 +61,8 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     state = restored[0]
     eval_arrays = prepare.put_eval_data(config, run)
     evaluate = prepare.compile_eval(config, run, state, eval_arrays)
-    metrics = jax.device_get(evaluate(state, *eval_arrays))
+    with report.evaluation_progress(evaluate.batches, parallel.is_main_process()) as bar:
+        metrics = jax.device_get(evaluate(state, *eval_arrays, progress=bar.update))
     tta = config.eval.tta
     if tta != "none" and config.eval.tta_fraction < 1:
         tta += f" on the least confident {config.eval.tta_fraction:.0%} of images"

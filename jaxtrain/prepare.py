@@ -330,16 +330,15 @@ def eval_arguments(config, run: Setup) -> dict:
 
 
 def compile_eval(config, run: Setup, state, eval_arrays):
-    """train.evaluate compiled for this run's state: every replica's metrics (R,) for a
-    replicated run, the replicas evaluated one after another inside the program
-    (lax.map: vmapped convolutions become grouped ones, which XLA:CPU runs far slower,
-    and one replica's activations at a time keep memory as a single run's)."""
-    evaluate = functools.partial(train.evaluate, **eval_arguments(config, run))
-    if run.runs:
-        one_run = evaluate
-        evaluate = lambda state, *arrays: jax.lax.map(lambda s: one_run(s, *arrays), state)
-    fn = jax.jit(evaluate, out_shardings=parallel.replicated(run.mesh))
-    return fn.lower(state, *eval_arrays).compile()
+    """train.evaluate for this run's state, compiled to run one test batch per call
+    (train.compile_evaluation: stoppable between batches, with progress): every
+    replica's metrics (R,) for a replicated run, the replicas evaluated one after
+    another inside each call (lax.map: vmapped convolutions become grouped ones, which
+    XLA:CPU runs far slower, and one replica's activations at a time keep memory as a
+    single run's)."""
+    return train.compile_evaluation(state, *eval_arrays, **eval_arguments(config, run),
+                                    replicas=bool(run.runs),
+                                    out_sharding=parallel.replicated(run.mesh))
 
 
 def open_stream(config, run: Setup, data_key) -> input.Stream:

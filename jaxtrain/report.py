@@ -63,6 +63,14 @@ def import_tensorboardx():
     return tensorboardX
 
 
+def evaluation_progress(batches: int, write: bool = True):
+    """tqdm over an evaluation's test batches (its update as the callable); a short one
+    never shows it (delay), nor does a process other than 0 or a stderr that is not a
+    terminal."""
+    return tqdm.tqdm(total=batches, unit="batch", desc="evaluating", leave=False,
+                     delay=2.0, dynamic_ncols=True, disable=None if write else True)
+
+
 class Reporter:
     """Writes every logged record to metrics.jsonl and TensorBoard as it arrives.
 
@@ -96,6 +104,11 @@ class Reporter:
         # tqdm hides itself when stderr is not a terminal (disable=None).
         self._progress = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
                                    disable=None, leave=False, dynamic_ncols=True)
+
+    def evaluation_progress(self, batches: int):
+        """A progress bar over an evaluation's batches (a callable taking how many were
+        done), shown from its second second on, on a terminal, by process 0 only."""
+        return evaluation_progress(batches, self.write)
 
     def print_line(self, line: str) -> None:
         if self.write:

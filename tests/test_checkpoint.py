@@ -360,3 +360,32 @@ def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
     assert (f"data.dir moved: the checkpoints' run read {tmp_path / 'A' / 'data' / 'cifar.npz'}"
             f" (no longer there); resuming with {tmp_path / 'A' / 'moved' / 'cifar.npz'}") in out
     assert resumed["steps"] == 6 and resumed["resumed_from_step"] == 4
+
+
+def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset, tmp_path):
+    """SIGTERM while step 2 is evaluated (about 11 s of cifar_cnn with 6-view TTA at 64 px):
+    the run stops after the batch in hand instead of the whole evaluation, saves nothing
+    new and names the newest checkpoint (step 1's)."""
+    def up(x):
+        return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
+    npz = tmp_path / "cifar64.npz"
+    np.savez(npz, x_train=up(cifar_subset["x_train"][:64]), y_train=cifar_subset["y_train"][:64],
+             x_test=up(cifar_subset["x_test"][:400]), y_test=cifar_subset["y_test"][:400])
+    workdir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "main.py", "--config=configs/cifar.py", f"--workdir={workdir}",
+         "--config.data.name=arrays", f"--config.data.dir={npz}", "--config.train.num_steps=3",
+         "--config.train.batch_size=4", "--config.eval.every_steps=2",
+         "--config.eval.batch_size=10", "--config.eval.tta_fraction=1.0",
+         "--config.checkpoint.every_steps=1"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    wait_for_step(workdir, 1, process)  # step 1's row: step 2 trains (~0.2 s), then evaluates
+    time.sleep(2)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"stopped: interrupted by SIGTERM while evaluating step 2; nothing new saved: the "
+        f"newest checkpoint is {workdir / 'checkpoints'}/1; run the same command again to "
+        "resume from it")
+    assert steps_saved(workdir) == [1] and not (workdir / "summary.json").exists()

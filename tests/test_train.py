@@ -454,6 +454,34 @@ def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup,
     assert accuracy == pytest.approx(float(np.mean(mixed.argmax(-1)[valid] == labels[valid])))
 
 
+@pytest.mark.parametrize("tta,tta_images", [("none", None), ("flip", None), ("flip", 50)])
+def test_the_batch_by_batch_evaluation_is_evaluate(tta_setup, tta, tta_images):
+    """compile_evaluation (one call per batch: stoppable, with progress) computes what
+    evaluate does in one program, for one run and for two replicas; should_stop ends it
+    between two batches."""
+    state, arrays = tta_setup
+    kwargs = dict(mean=MEAN, std=STD, tta=tta, pad_mode="reflect", tta_images=tta_images)
+    whole = train.evaluate(state, *arrays, **kwargs)
+    by_batch = train.compile_evaluation(state, *arrays, **kwargs)
+    done = []
+    metrics = by_batch(state, *arrays, progress=done.append)
+    assert sum(done) == by_batch.batches == 3 + (1 if tta_images else 0)  # 50 images: 1 batch
+    for name in ("loss", "accuracy"):
+        assert float(metrics[name]) == pytest.approx(float(whole[name]), rel=1e-6, abs=0)
+    pair = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+    pair = pair.replace(params=jax.tree.map(lambda x: x.at[1].multiply(0.5), pair.params))
+    replicated = train.compile_evaluation(pair, *arrays, **kwargs, replicas=True)
+    both = replicated(pair, *arrays)
+    other = train.evaluate(jax.tree.map(lambda x: x[1], pair), *arrays, **kwargs)
+    for name in ("loss", "accuracy"):
+        assert float(both[name][0]) == pytest.approx(float(whole[name]), rel=1e-6, abs=0)
+        assert float(both[name][1]) == pytest.approx(float(other[name]), rel=1e-6, abs=0)
+    asked = []
+    with pytest.raises(train.EvaluationStopped):
+        by_batch(state, *arrays, should_stop=lambda: asked.append(1) or len(asked) == 2)
+    assert len(asked) == 2  # stopped after the second batch, the third never ran
+
+
 # ---------------------------------------------------------------- weight EMA
 
 def ema_config(data_dir, **overrides):
