@@ -114,10 +114,16 @@ def main(argv):
 def run():
     """The `jaxtrain` command: absl parses the flags (one-line errors), then main.
 
-    The process then ends without Python's interpreter teardown: everything is
-    written and closed by now (and atexit's handlers, such as jax.distributed's
-    shutdown, still run), while tearing down XLA's and TensorStore's objects took
-    ~1.4 s here that summary.json could not account for."""
+    A process of a multi-process run runs as the child of a small parent
+    (jaxtrain/supervise.py) that outlives a native end in a collective. The process
+    then ends without Python's interpreter teardown: everything is written and closed
+    by now (and atexit's handlers, such as jax.distributed's shutdown, still run),
+    while tearing down XLA's and TensorStore's objects took ~1.4 s here that
+    summary.json could not account for."""
+    from jaxtrain import supervise
+    if supervise.wanted(sys.argv[1:]):
+        sys.stdout.flush()
+        os._exit(supervise.run())
     try:
         app.run(main, flags_parser=parse_flags)
     except SystemExit as done:

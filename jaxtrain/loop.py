@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import (actions, callbacks as callbacks_lib, checkpoint, checks, memory, models,
-                      optim, parallel, phases, prepare, replicas, report, signals, train,
-                      user_model, xla_cache)
+                      optim, parallel, phases, prepare, replicas, report, signals, supervise,
+                      train, user_model, xla_cache)
 from jaxtrain.errors import ConfigError
 
 PROFILE_DIR = actions.PROFILE_DIR
@@ -211,6 +211,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
                                         stream=streaming,
                                         best=checkpoint.best_policy(config.checkpoint))
     parallel.CHECKPOINTS["directory"] = manager.directory  # named if a peer process is lost
+    supervise.tell(workdir, str(manager.directory))  # and by the parent, if it watches
     target = (checkpoint.restore_target(run.state, prepare.state_sharding(run)) if resuming
               else run.state)
     restored = checkpoint.restore(manager, target, run.data_key)

@@ -38,6 +38,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import supervise
+
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 FSDP_MIN_ELEMENTS = 4096  # parallel.fsdp: smaller tensors (biases, norms, BN statistics) stay replicated
@@ -139,7 +141,7 @@ def first_process(flag: bool) -> int | None:
 
 # Environments where a scheduler starts one process per task and JAX's cluster
 # auto-detection fills in the coordinator, process count and process id.
-CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+CLUSTER_SIZE_VARIABLES = supervise.CLUSTER_SIZE_VARIABLES
 
 
 def distributed_settings(coordinator_address=None, num_processes=None, process_id=None,
@@ -323,7 +325,7 @@ def lost(process: int, why: str) -> None:
     os._exit(PEER_LOST)
 
 
-PEER_LOST = 75  # exit status: another process of the run was lost (EX_TEMPFAIL: rerun all)
+PEER_LOST = supervise.PEER_LOST  # another process of the run was lost (EX_TEMPFAIL: rerun all)
 CHECKPOINTS = {"directory": None}  # where this run's checkpoints go (train sets it)
 HEARTBEAT_KEY = "jaxtrain/heartbeat/"
 
@@ -380,11 +382,5 @@ def watch_peers(timeout: float, stream=None) -> None:
 
 def newest_checkpoint() -> str:
     """`The newest checkpoint is DIR/STEP.`, from what is on disk now."""
-    directory = CHECKPOINTS["directory"]
-    steps = []
-    if directory and os.path.isdir(directory):
-        steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
-    if not steps:
-        return "No checkpoint was written yet."
-    return f"The newest checkpoint is {directory}/{max(steps)}."
+    return supervise.newest_checkpoint(CHECKPOINTS["directory"])
 

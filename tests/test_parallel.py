@@ -152,24 +152,40 @@ def test_a_stopped_run_releases_its_coordination_service():
     parallel.release_service()  # nothing left: nothing to do
 
 
-@pytest.mark.parametrize("lost", [0])  # process 0: the harder case (it hosts nothing now)
+def start_two_and_wait_for_a_checkpoint(workdir, data_dir):
+    """Two processes of a long run (a checkpoint every 5 steps, --peer_timeout=4), once
+    the first checkpoint is on disk."""
+    address = f"localhost:{free_port()}"
+    args = [*RECIPE, "--config.train.num_steps=2000", "--config.checkpoint.every_steps=5",
+            f"--workdir={workdir}", f"--config.data.dir={data_dir}",
+            f"--coordinator_address={address}", "--num_processes=2", "--peer_timeout=4"]
+    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
+    deadline = time.monotonic() + 240
+    while not [n for n in os.listdir(workdir / "checkpoints") if n.isdigit()] if (
+            workdir / "checkpoints").is_dir() else True:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+        time.sleep(0.1)
+    return processes
+
+
+def trainer_of(process) -> int:
+    """The pid of the child that trains for a process of a multi-process run (the
+    process itself is jaxtrain/supervise.py's parent)."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.parametrize("lost", [0, 1])
 def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_batches_dir,
                                                                 lost):
     """SIGKILL to one process: the other used to abort natively (exit 134; about 80 s
     later, or at once when process 0, the coordination service's host, was lost); it
     now stops within --peer_timeout, in one line naming the lost process and the newest
-    checkpoint, with exit status 75."""
-    address = f"localhost:{free_port()}"
-    args = [*RECIPE, "--config.train.num_steps=2000", "--config.checkpoint.every_steps=5",
-            f"--workdir={tmp_path}", f"--config.data.dir={cifar_batches_dir}",
-            f"--coordinator_address={address}", "--num_processes=2", "--peer_timeout=4"]
-    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
-    deadline = time.monotonic() + 240
-    while not [n for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()] if (
-            tmp_path / "checkpoints").is_dir() else True:
-        assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
-        time.sleep(0.1)
+    checkpoint, with exit status 75. The killed one's trainer goes with it."""
+    processes = start_two_and_wait_for_a_checkpoint(tmp_path, cifar_batches_dir)
     survivor = 1 - lost
+    orphan = trainer_of(processes[lost])
     processes[lost].kill()
     killed_at = time.monotonic()
     result = finish(processes[survivor], timeout=120)
@@ -183,6 +199,34 @@ def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_b
                                f"process {survivor} stops too. The newest checkpoint is "
                                f"{tmp_path / 'checkpoints'}/"), lines[0]
     assert lines[0].endswith("Rerun every process to resume.")
+    assert not Path(f"/proc/{orphan}").exists()  # no trainer left behind
+
+
+def test_a_survivor_that_ends_inside_the_runtime_still_says_one_line(tmp_path,
+                                                                     cifar_batches_dir):
+    """Process 1 killed while a collective is in flight can end process 0 inside the
+    runtime (gloo's C++ exception: `terminate called ...`, `Fatal Python error: Aborted`,
+    thread dumps, exit 134), before its heartbeat watch sees anything. Such an end, here
+    a SIGABRT to process 0's trainer right after process 1 is killed, reaches the user
+    as one line and exit 75 from the parent that watches it; the dump goes to a file."""
+    processes = start_two_and_wait_for_a_checkpoint(tmp_path, cifar_batches_dir)
+    trainer = trainer_of(processes[0])
+    processes[1].kill()
+    os.kill(trainer, signal.SIGABRT)
+    result = finish(processes[0], timeout=120)
+    finish(processes[1])
+    assert result.returncode == parallel.PEER_LOST, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    rest = result.stderr.replace(lines[0], "")
+    assert "Thread 0x" not in rest and "Fatal Python error" not in rest, rest[-3000:]
+    report = tmp_path / "native-report-process0.txt"
+    assert lines[0].startswith(
+        "error: process 0 of 2 stopped inside JAX's runtime (Fatal Python error: Aborted): in "
+        "a multi-process run, another process lost in the middle of a collective; process 0 "
+        f"stops too. The newest checkpoint is {tmp_path / 'checkpoints'}/"), lines[0]
+    assert lines[0].endswith(f"Rerun every process to resume. (its native report: {report})")
+    assert "Fatal Python error: Aborted" in report.read_text()
 
 
 def restored_variables(workdir):
@@ -365,3 +409,16 @@ def test_main_reports_incomplete_settings_without_a_traceback(tmp_path):
     assert result.returncode != 0
     assert "missing: --coordinator_address, --process_id" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_only_processes_of_a_multi_process_run_with_the_peer_watch_are_supervised():
+    from jaxtrain import supervise
+    two = ["--config=c.py", "--num_processes=2", "--process_id=0"]
+    assert supervise.wanted(two, {})
+    assert not supervise.wanted(two + ["--peer_timeout=0"], {})  # the watch is off
+    assert not supervise.wanted(two, {supervise.ENV: "/tmp/x.json"})  # the child itself
+    assert not supervise.wanted(["--config=c.py"], {})  # one process
+    assert not supervise.wanted(["--config=c.py", "--num_processes", "1"], {})
+    assert supervise.wanted(["--config=c.py"], {"SLURM_NTASKS": "8"})
+    assert supervise.wanted(["--config=c.py"], {"JAX_NUM_PROCESSES": "2"})
+    assert not supervise.wanted(["--num_processes=two"], {})  # absl says what is wrong
