@@ -182,6 +182,8 @@ def completed_summary(workdir: str, config) -> dict | None:
              else summary.get("epochs") == train.num_epochs)
     if max(steps) != summary.get("steps") or not asked:
         return None
+    if saved_recipe_changes(workdir, config):  # allowed to change: the checkpoint is loaded
+        return None
     if parallel.is_main_process():
         accuracy = summary.get("test_accuracy")
         print_now(f"the run in {workdir} is complete: step {summary['steps']} of "
@@ -549,22 +551,7 @@ def check_resumable(workdir: str, config) -> None:
     """A workdir with checkpoints resumes only the recipe that wrote them: any change that
     alters training (checks.recipe_changes) stops here, before anything is loaded or
     written, unless checkpoint.allow_recipe_change says to go on (and then it is said)."""
-    path = os.path.join(workdir, checkpoint.CONFIG_FILE)
-    if not checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)) or not os.path.isfile(path):
-        return
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as error:
-        raise checkpoint.CheckpointError(f"{path}: cannot be read ({error}); it records the "
-                                         "recipe of the checkpoints beside it") from None
-    moved = checks.moved_data_dir(saved, config)
-    if moved is not None:  # the same recipe on data that moved
-        saved["data"]["dir"] = config.data.dir
-        if parallel.is_main_process():
-            print(f"data.dir moved: the checkpoints' run read {moved} (no longer there); "
-                  f"resuming with {config.data.dir}", flush=True)
-    changes = checks.recipe_changes(saved, config)
+    changes = saved_recipe_changes(workdir, config, say_moved=True)
     if not changes:
         return
     listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
@@ -577,6 +564,27 @@ def check_resumable(workdir: str, config) -> None:
         print(f"resuming with a changed recipe ({listed}): checkpoint.allow_recipe_change=True;"
               " the run is no longer an exact resume of the one that wrote the checkpoints",
               flush=True)
+
+
+def saved_recipe_changes(workdir: str, config, say_moved: bool = False) -> list:
+    """checks.recipe_changes between the config.json beside workdir's checkpoints and
+    `config` ([] without checkpoints); a data.dir that moved is not a change."""
+    path = os.path.join(workdir, checkpoint.CONFIG_FILE)
+    if not checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)) or not os.path.isfile(path):
+        return []
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise checkpoint.CheckpointError(f"{path}: cannot be read ({error}); it records the "
+                                         "recipe of the checkpoints beside it") from None
+    moved = checks.moved_data_dir(saved, config)
+    if moved is not None:  # the same recipe on data that moved
+        saved["data"]["dir"] = config.data.dir
+        if say_moved and parallel.is_main_process():
+            print(f"data.dir moved: the checkpoints' run read {moved} (no longer there); "
+                  f"resuming with {config.data.dir}", flush=True)
+    return checks.recipe_changes(saved, config)
 
 
 def resume_stream(stream, manager, meta: dict, step: int) -> None:
