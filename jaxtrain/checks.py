@@ -9,7 +9,8 @@ import difflib
 import jax.numpy as jnp
 import ml_collections
 
-from jaxtrain import augment, data, defaults, input, models, optim, replicas, user_model
+from jaxtrain import (augment, data, defaults, input, models, optim, pooling, replicas,
+                      user_model)
 from jaxtrain.errors import ConfigError
 
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -176,6 +177,7 @@ RANGES = {
     "model.conv_init": (_one_of(*models.CONV_INITS), "one of " + ", ".join(models.CONV_INITS)),
     "model.bn_epsilon": (_above(0), "> 0"),
     "model.remat": (lambda v: isinstance(v, bool), "True or False"),
+    "model.pool_impl": (_one_of(*pooling.POOL_IMPLS), "one of " + ", ".join(pooling.POOL_IMPLS)),
     "optimizer.name": (_one_of(*optim.OPTIMIZERS), "one of " + ", ".join(optim.OPTIMIZERS)),
     "optimizer.learning_rate": (_above(0), "> 0"),
     "optimizer.momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
@@ -358,7 +360,8 @@ def moved_data_dir(saved: dict, config) -> str | None:
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
                      "train.compilation_cache", "callbacks.", "logging.",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
-                     "data.workers", "model.remat", "parallel.")
+                     "data.workers", "model.remat", "model.pool_impl",
+                     "parallel.")
 
 
 # A parameter group's settings that jaxtrain.defaults.param_group added after some runs

@@ -205,7 +205,9 @@ def export(workdir: str, format: str, out: str, batch: int | None = None, *,
     from jaxtrain import predict
     check_format(format, precision)
     check_writable(out)
-    classifier = predict.restore_for(workdir, checkpoint, weights, tta, precision)
+    # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
+    classifier = predict.restore_for(workdir, checkpoint, weights, tta, precision,
+                                     pool_impl="xla")
     return save(classifier, format, out, batch, tta, platforms)
 
 

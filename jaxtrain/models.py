@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import user_model, vit
+from jaxtrain import pooling, user_model, vit
 
 Dtype = Any
 
@@ -44,6 +44,7 @@ class SeedCNN(nn.Module):
     batch_norm: bool = False
     dtype: Dtype = jnp.float32
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
+    pool_impl: str = "xla"  # how max-pooling is computed (jaxtrain/pooling.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -57,8 +58,7 @@ class SeedCNN(nn.Module):
             if self.batch_norm:
                 x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
                                  dtype=self.dtype)(x)
-            x = nn.relu(x)
-            x = nn.max_pool(x, window_shape=(2, 2), strides=(2, 2))
+            x = pooling.max_pool_2x2(nn.relu(x), self.pool_impl)
         x = x.reshape((x.shape[0], -1))
         for features in (120, 84, self.num_classes):
             dense = nn.Dense(features, dtype=self.dtype,
@@ -135,6 +135,7 @@ class ConvBlock(nn.Module):
     activation: str = "gelu_tanh"
     conv_init: str = "default"
     bn_epsilon: float = 1e-5
+    pool_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x, train: bool):
@@ -150,7 +151,7 @@ class ConvBlock(nn.Module):
             return nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False,
                            kernel_init=conv_kernel_init(self.conv_init), dtype=self.dtype)(y)
 
-        x = nn.max_pool(conv(x), window_shape=(2, 2), strides=(2, 2))
+        x = pooling.max_pool_2x2(conv(x), self.pool_impl)
         x = act(bn(x))
         x = act(bn(conv(x)))
         return x
@@ -179,6 +180,7 @@ class CifarCNN(nn.Module):
     head_init_std: float = 0.0
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
     remat: bool = False  # recompute each block's activations in the backward pass
+    pool_impl: str = "xla"  # how max-pooling is computed (jaxtrain/pooling.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -190,7 +192,7 @@ class CifarCNN(nn.Module):
         for i, width in enumerate(self.widths):
             x = block(width, self.bn_momentum, self.dtype, activation=self.activation,
                       conv_init=self.conv_init, bn_epsilon=self.bn_epsilon,
-                      name=f"ConvBlock_{i}")(x, train)
+                      pool_impl=self.pool_impl, name=f"ConvBlock_{i}")(x, train)
         x = jnp.max(x, axis=(1, 2))
         head_init = (nn.initializers.normal(self.head_init_std) if self.head_init_std > 0
                      else nn.linear.default_kernel_init)
@@ -376,9 +378,11 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
     # module.eval() on it), so it neither updates nor normalises by batch statistics
     frozen_statistics = bool(model_config.get("freeze_batch_stats", False))
     remat = bool(model_config.get("remat", False))  # REMAT_MODELS only (checks.py)
+    # 'auto' settles here, on this backend; configs saved before the option: 'xla'
+    pool_impl = pooling.resolve(model_config.get("pool_impl", "xla"))
     if name == "seed_cnn":
         return SeedCNN(num_classes=num_classes, batch_norm=model_config.batch_norm, dtype=dtype,
-                       freeze_batch_stats=frozen_statistics)
+                       freeze_batch_stats=frozen_statistics, pool_impl=pool_impl)
     if name == "cifar_cnn":
         # .get: configs saved before an option existed restore with the old behaviour
         activation = model_config.get("activation", "gelu_tanh")
@@ -396,7 +400,7 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
                         activation=activation, conv_init=conv_init,
                         bn_epsilon=model_config.get("bn_epsilon", 1e-5),
                         head_init_std=head_init_std, freeze_batch_stats=frozen_statistics,
-                        remat=remat)
+                        remat=remat, pool_impl=pool_impl)
     if name == "mlp":
         return MLP(num_classes=num_classes, hidden_sizes=tuple(model_config.hidden_sizes),
                    batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype,
