@@ -9,7 +9,7 @@ import difflib
 import jax.numpy as jnp
 import ml_collections
 
-from jaxtrain import (augment, data, defaults, input, models, optim, pooling, replicas,
+from jaxtrain import (augment, data, defaults, input, models, onednn, optim, pooling, replicas,
                       user_model)
 from jaxtrain.errors import ConfigError
 
@@ -178,6 +178,7 @@ RANGES = {
     "model.bn_epsilon": (_above(0), "> 0"),
     "model.remat": (lambda v: isinstance(v, bool), "True or False"),
     "model.pool_impl": (_one_of(*pooling.POOL_IMPLS), "one of " + ", ".join(pooling.POOL_IMPLS)),
+    "model.conv_impl": (_one_of(*onednn.CONV_IMPLS), "one of " + ", ".join(onednn.CONV_IMPLS)),
     "optimizer.name": (_one_of(*optim.OPTIMIZERS), "one of " + ", ".join(optim.OPTIMIZERS)),
     "optimizer.learning_rate": (_above(0), "> 0"),
     "optimizer.momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
@@ -360,7 +361,7 @@ def moved_data_dir(saved: dict, config) -> str | None:
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
                      "train.compilation_cache", "callbacks.", "logging.",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
-                     "data.workers", "model.remat", "model.pool_impl",
+                     "data.workers", "model.remat", "model.pool_impl", "model.conv_impl",
                      "parallel.")
 
 

@@ -57,6 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.pool_impl = "auto"  # seed_cnn, cifar_cnn: how 2x2 max-pooling is computed: 'xla' (lax's; select-and-
                                      # scatter gradient) | 'corners' (four strided views; its gradient 3x faster on
                                      # XLA:CPU, the same numbers) | 'auto' (corners on a CPU, xla elsewhere)
+    config.model.conv_impl = "auto"  # built-in models' 2-D convolutions: 'xla' (lax's) | 'onednn' (float32 ones through
+                                     # oneDNN, PyTorch's CPU library: 2x faster on a CPU; needs the `cpu` extra and g++)
+                                     # | 'auto' (onednn on a single CPU device where it builds, xla elsewhere)
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only)

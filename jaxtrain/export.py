@@ -205,9 +205,10 @@ def export(workdir: str, format: str, out: str, batch: int | None = None, *,
     from jaxtrain import predict
     check_format(format, precision)
     check_writable(out)
-    # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
+    # lax's own max-pooling and convolutions: ONNX's MaxPool and Conv, and the backend's
+    # own where a StableHLO file runs (oneDNN's custom calls exist only in jaxtrain)
     classifier = predict.restore_for(workdir, checkpoint, weights, tta, precision,
-                                     pool_impl="xla")
+                                     pool_impl="xla", conv_impl="xla")
     return save(classifier, format, out, batch, tta, platforms)
 
 

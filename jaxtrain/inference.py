@@ -109,7 +109,7 @@ class Classifier:
 def restore(workdir: str, step: int | None = None, tta: str | None = None,
             model=None, replica: int | None = None, which: str = "latest",
             weights: str = "raw", precision: str | None = None,
-            pool_impl: str | None = None) -> Classifier:
+            pool_impl: str | None = None, conv_impl: str | None = None) -> Classifier:
     """The newest (or the given) checkpoint of the run in `workdir`, ready to classify.
 
     Needs no data: the normalisation and class names are stored in the checkpoint.
@@ -122,7 +122,9 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
     precision: 'float32' or 'bfloat16' to compute in instead of the run's
     train.precision (the weights are float32 either way). pool_impl: how the built-in
     CNNs' max-pooling is computed instead of the run's model.pool_impl (export asks for
-    'xla': ONNX's MaxPool, and lax's own pooling wherever a StableHLO file runs).
+    'xla': ONNX's MaxPool, and lax's own pooling wherever a StableHLO file runs);
+    conv_impl: the same for model.conv_impl (export asks for 'xla': oneDNN's custom
+    calls exist only in this process).
     """
     if which not in ("latest", "best"):
         raise ValueError(f"which={which!r}: must be 'latest' or 'best'")
@@ -139,6 +141,8 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         config = ml_collections.ConfigDict(json.load(f))
     if pool_impl is not None:
         config.model.pool_impl = pool_impl
+    if conv_impl is not None:
+        config.model.conv_impl = conv_impl
     if not checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)):
         raise checkpoint.CheckpointError(
             f"no checkpoint in {checkpoint.checkpoint_dir(workdir)} (the run saved none yet)")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import pooling, user_model, vit
+from jaxtrain import onednn, pooling, user_model, vit
 
 Dtype = Any
 
@@ -45,6 +45,7 @@ class SeedCNN(nn.Module):
     dtype: Dtype = jnp.float32
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
     pool_impl: str = "xla"  # how max-pooling is computed (jaxtrain/pooling.py)
+    conv_impl: str = "xla"  # how convolutions are computed (jaxtrain/onednn.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -53,6 +54,7 @@ class SeedCNN(nn.Module):
         in_channels = x.shape[-1]
         for features, fan_in in ((6, 25 * in_channels), (16, 25 * 6)):
             x = nn.Conv(features, (5, 5), padding="VALID", dtype=self.dtype,
+                        conv_general_dilated=onednn.conv_function(self.conv_impl),
                         kernel_init=torch_default_kernel_init(),
                         bias_init=torch_default_bias_init(fan_in))(x)
             if self.batch_norm:
@@ -136,6 +138,7 @@ class ConvBlock(nn.Module):
     conv_init: str = "default"
     bn_epsilon: float = 1e-5
     pool_impl: str = "xla"
+    conv_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x, train: bool):
@@ -149,7 +152,8 @@ class ConvBlock(nn.Module):
 
         def conv(y):
             return nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False,
-                           kernel_init=conv_kernel_init(self.conv_init), dtype=self.dtype)(y)
+                           kernel_init=conv_kernel_init(self.conv_init), dtype=self.dtype,
+                           conv_general_dilated=onednn.conv_function(self.conv_impl))(y)
 
         x = pooling.max_pool_2x2(conv(x), self.pool_impl)
         x = act(bn(x))
@@ -181,18 +185,21 @@ class CifarCNN(nn.Module):
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
     remat: bool = False  # recompute each block's activations in the backward pass
     pool_impl: str = "xla"  # how max-pooling is computed (jaxtrain/pooling.py)
+    conv_impl: str = "xla"  # how convolutions are computed (jaxtrain/onednn.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         train = train and not self.freeze_batch_stats  # BatchNorm is its only train-mode layer
         x = x.astype(self.dtype)
-        x = nn.Conv(self.stem_width, (2, 2), padding="VALID", dtype=self.dtype)(x)
+        x = nn.Conv(self.stem_width, (2, 2), padding="VALID", dtype=self.dtype,
+                    conv_general_dilated=onednn.conv_function(self.conv_impl))(x)
         x = activation_fn(self.activation)(x)
         block = rematted(ConvBlock, self.remat)
         for i, width in enumerate(self.widths):
             x = block(width, self.bn_momentum, self.dtype, activation=self.activation,
                       conv_init=self.conv_init, bn_epsilon=self.bn_epsilon,
-                      pool_impl=self.pool_impl, name=f"ConvBlock_{i}")(x, train)
+                      pool_impl=self.pool_impl, conv_impl=self.conv_impl,
+                      name=f"ConvBlock_{i}")(x, train)
         x = jnp.max(x, axis=(1, 2))
         head_init = (nn.initializers.normal(self.head_init_std) if self.head_init_std > 0
                      else nn.linear.default_kernel_init)
@@ -251,12 +258,14 @@ def resnet_stem(stem: str, image_size=None) -> str:
     return "cifar" if max(height, width) <= AUTO_CIFAR_STEM_MAX_SIDE else "imagenet"
 
 
-def resnet_conv(features: int, size: int, strides: int, dtype: Dtype) -> nn.Conv:
+def resnet_conv(features: int, size: int, strides: int, dtype: Dtype,
+                conv_impl: str = "xla") -> nn.Conv:
     """A bias-free size x size conv padded by size // 2 on every side, as torchvision's
     ResNet pads (Flax's 'SAME' pads a stride-2 conv on one side only)."""
     pad = size // 2
     return nn.Conv(features, (size, size), (strides, strides), padding=[(pad, pad), (pad, pad)],
-                   use_bias=False, dtype=dtype)
+                   use_bias=False, dtype=dtype,
+                   conv_general_dilated=onednn.conv_function(conv_impl))
 
 
 def resnet_norm(train: bool, dtype: Dtype, zero_scale: bool = False) -> nn.BatchNorm:
@@ -274,15 +283,16 @@ class ResNetBlock(nn.Module):
     filters: int
     strides: int = 1
     dtype: Dtype = jnp.float32
+    conv_impl: str = "xla"
     expansion = 1  # output channels / filters
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        y = resnet_conv(self.filters, 3, self.strides, self.dtype)(x)
+        y = resnet_conv(self.filters, 3, self.strides, self.dtype, self.conv_impl)(x)
         y = nn.relu(resnet_norm(train, self.dtype)(y))
-        y = resnet_conv(self.filters, 3, 1, self.dtype)(y)
+        y = resnet_conv(self.filters, 3, 1, self.dtype, self.conv_impl)(y)
         y = resnet_norm(train, self.dtype, zero_scale=True)(y)
-        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype) + y)
+        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype, self.conv_impl) + y)
 
 
 class BottleneckResNetBlock(nn.Module):
@@ -292,26 +302,28 @@ class BottleneckResNetBlock(nn.Module):
     filters: int
     strides: int = 1
     dtype: Dtype = jnp.float32
+    conv_impl: str = "xla"
     expansion = 4
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        y = resnet_conv(self.filters, 1, 1, self.dtype)(x)
+        y = resnet_conv(self.filters, 1, 1, self.dtype, self.conv_impl)(x)
         y = nn.relu(resnet_norm(train, self.dtype)(y))
-        y = resnet_conv(self.filters, 3, self.strides, self.dtype)(y)
+        y = resnet_conv(self.filters, 3, self.strides, self.dtype, self.conv_impl)(y)
         y = nn.relu(resnet_norm(train, self.dtype)(y))
-        y = resnet_conv(self.filters * self.expansion, 1, 1, self.dtype)(y)
+        y = resnet_conv(self.filters * self.expansion, 1, 1, self.dtype,
+                        self.conv_impl)(y)
         y = resnet_norm(train, self.dtype, zero_scale=True)(y)
-        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype) + y)
+        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype, self.conv_impl) + y)
 
 
-def resnet_shortcut(x, y, strides: int, train: bool, dtype: Dtype):
+def resnet_shortcut(x, y, strides: int, train: bool, dtype: Dtype, conv_impl: str = "xla"):
     """x itself, or where the block changes the shape, a strided 1x1 conv and BN of x.
     Called inside a block's __call__, after the branch, so Flax names the projection
     after the branch's layers (Conv_2 and BatchNorm_2 in ResNetBlock)."""
     if x.shape == y.shape:
         return x
-    x = resnet_conv(y.shape[-1], 1, strides, dtype)(x)
+    x = resnet_conv(y.shape[-1], 1, strides, dtype, conv_impl)(x)
     return resnet_norm(train, dtype)(x)
 
 
@@ -334,6 +346,7 @@ class ResNet(nn.Module):
     dtype: Dtype = jnp.float32
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
     remat: bool = False  # recompute each block's activations in the backward pass
+    conv_impl: str = "xla"  # how convolutions are computed (jaxtrain/onednn.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -341,18 +354,18 @@ class ResNet(nn.Module):
         stem = resnet_stem(self.stem, x.shape[1:3])
         x = x.astype(self.dtype)
         if stem == "imagenet":
-            x = resnet_conv(self.width, 7, 2, self.dtype)(x)
+            x = resnet_conv(self.width, 7, 2, self.dtype, self.conv_impl)(x)
             x = nn.relu(resnet_norm(train, self.dtype)(x))
             x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         else:
-            x = resnet_conv(self.width, 3, 1, self.dtype)(x)
+            x = resnet_conv(self.width, 3, 1, self.dtype, self.conv_impl)(x)
             x = nn.relu(resnet_norm(train, self.dtype)(x))
         block = rematted(self.block_cls, self.remat)
         for i, blocks in enumerate(self.stage_sizes):
             for j in range(blocks):
                 strides = 2 if i > 0 and j == 0 else 1
                 index = sum(self.stage_sizes[:i]) + j
-                x = block(self.width * 2 ** i, strides, self.dtype,
+                x = block(self.width * 2 ** i, strides, self.dtype, conv_impl=self.conv_impl,
                           name=f"{self.block_cls.__name__}_{index}")(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
@@ -380,9 +393,11 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
     remat = bool(model_config.get("remat", False))  # REMAT_MODELS only (checks.py)
     # 'auto' settles here, on this backend; configs saved before the option: 'xla'
     pool_impl = pooling.resolve(model_config.get("pool_impl", "xla"))
+    conv_impl = onednn.resolve(model_config.get("conv_impl", "xla")) if name != "mlp" else "xla"
     if name == "seed_cnn":
         return SeedCNN(num_classes=num_classes, batch_norm=model_config.batch_norm, dtype=dtype,
-                       freeze_batch_stats=frozen_statistics, pool_impl=pool_impl)
+                       freeze_batch_stats=frozen_statistics, pool_impl=pool_impl,
+                       conv_impl=conv_impl)
     if name == "cifar_cnn":
         # .get: configs saved before an option existed restore with the old behaviour
         activation = model_config.get("activation", "gelu_tanh")
@@ -400,7 +415,7 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
                         activation=activation, conv_init=conv_init,
                         bn_epsilon=model_config.get("bn_epsilon", 1e-5),
                         head_init_std=head_init_std, freeze_batch_stats=frozen_statistics,
-                        remat=remat, pool_impl=pool_impl)
+                        remat=remat, pool_impl=pool_impl, conv_impl=conv_impl)
     if name == "mlp":
         return MLP(num_classes=num_classes, hidden_sizes=tuple(model_config.hidden_sizes),
                    batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype,
@@ -412,12 +427,13 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
             else stem
         return ResNet(stage_sizes=stage_sizes, block_cls=block_cls, num_classes=num_classes,
                       stem=stem, dtype=dtype, freeze_batch_stats=frozen_statistics,
-                      remat=remat)
+                      remat=remat, conv_impl=conv_impl)
     if name in vit.VITS:
         dim, depth, heads = vit.VITS[name]
         return vit.ViT(num_classes=num_classes, dim=dim, depth=depth, heads=heads,
                        dropout=model_config.get("dropout", 0.0),
-                       drop_path=model_config.get("drop_path", 0.0), dtype=dtype, remat=remat)
+                       drop_path=model_config.get("drop_path", 0.0), dtype=dtype, remat=remat,
+                       conv_impl=conv_impl)
     raise ValueError(f"unknown model.name {name!r}; choose one of: seed_cnn, cifar_cnn, mlp, "
                      + ", ".join([*RESNETS, *vit.VITS]))
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxtrain import onednn
+
 Dtype = Any
 
 # model.name -> (dim, depth, heads): timm's vit_{tiny,small,base}_patch16_224
@@ -124,11 +126,13 @@ class PatchEmbed(nn.Module):
     dim: int
     patch_size: int = 16
     dtype: Dtype = jnp.float32
+    conv_impl: str = "xla"  # how the patch conv is computed (jaxtrain/onednn.py)
 
     @nn.compact
     def __call__(self, x):
         p = self.patch_size
         x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
+                    conv_general_dilated=onednn.conv_function(self.conv_impl),
                     kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
                     bias_init=torch_conv_bias_init(p * p * x.shape[-1]), name="proj")(x)
         return x.reshape(x.shape[0], -1, self.dim)
@@ -153,6 +157,7 @@ class ViT(nn.Module):
     drop_path: float = 0.0
     dtype: Dtype = jnp.float32
     remat: bool = False  # recompute each block's activations in the backward pass
+    conv_impl: str = "xla"  # how the patch conv is computed (jaxtrain/onednn.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -160,7 +165,8 @@ class ViT(nn.Module):
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(f"ViT: image size {height}x{width} is not a multiple of the "
                              f"patch size {self.patch_size}")
-        x = PatchEmbed(self.dim, self.patch_size, self.dtype, name="patch_embed")(
+        x = PatchEmbed(self.dim, self.patch_size, self.dtype, self.conv_impl,
+                       name="patch_embed")(
             x.astype(self.dtype))
         n, tokens, _ = x.shape
         cls_token = self.param("cls_token", cls_token_init, (1, 1, self.dim))

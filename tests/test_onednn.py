@@ -1,0 +1,207 @@
+"""jaxtrain/onednn.py: float32 2-D convolutions through oneDNN compute lax's function,
+forward and both gradients, for every geometry the built-in models use and every
+built-in convolutional model; what it does not cover stays lax's; it batches under vmap
+(replicas); an explicit 'onednn' that cannot be built is one line, exit 2, nothing written."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jaxtrain import checks, defaults, models, onednn
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not onednn.available()[0],
+                                reason=f"oneDNN's convolutions unavailable: "
+                                       f"{onednn.available()[1]} (pip install -e '.[cpu]')")
+
+
+def relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+
+
+def value_and_grads(conv_fn, x, kernel, strides, padding, dilation):
+    def loss(x, kernel):
+        y = conv_fn(x, kernel, strides, padding, rhs_dilation=dilation,
+                    dimension_numbers=onednn.NHWC)
+        return jnp.sum(jnp.tanh(y) * jnp.arange(y.shape[-1], dtype=y.dtype)), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, kernel)
+
+
+# (x shape, kernel shape, strides, padding, kernel dilation): the stems and blocks of
+# cifar_cnn, seed_cnn, the ResNets (both stems, strided 3x3 and 1x1 shortcuts) and the
+# ViT's patch conv, and an uneven explicit padding
+GEOMETRIES = [
+    ((4, 28, 28, 1), (2, 2, 1, 8), (1, 1), "VALID", (1, 1)),
+    ((4, 27, 27, 8), (3, 3, 8, 16), (1, 1), "SAME", (1, 1)),
+    ((3, 32, 32, 3), (5, 5, 3, 6), (1, 1), "VALID", (1, 1)),
+    ((2, 32, 32, 3), (7, 7, 3, 16), (2, 2), ((3, 3), (3, 3)), (1, 1)),
+    ((2, 16, 16, 8), (3, 3, 8, 16), (2, 2), ((1, 1), (1, 1)), (1, 1)),
+    ((2, 16, 16, 8), (1, 1, 8, 16), (2, 2), ((0, 0), (0, 0)), (1, 1)),
+    ((2, 32, 32, 3), (16, 16, 3, 24), (16, 16), "VALID", (1, 1)),
+    ((2, 10, 11, 5), (3, 3, 5, 6), (1, 1), ((1, 2), (0, 1)), (1, 1)),
+    ((2, 9, 9, 4), (3, 3, 4, 4), (1, 1), "SAME", (2, 2)),
+]
+
+
+@pytest.mark.parametrize("x_shape,kernel_shape,strides,padding,dilation", GEOMETRIES)
+def test_forward_and_both_gradients_are_lax_s(x_shape, kernel_shape, strides, padding,
+                                              dilation):
+    keys = jax.random.split(jax.random.key(sum(x_shape) + sum(kernel_shape)), 2)
+    x = jax.random.normal(keys[0], x_shape, jnp.float32)
+    kernel = jax.random.normal(keys[1], kernel_shape, jnp.float32) / np.sqrt(
+        np.prod(kernel_shape[:3]))
+    (want_loss, want_y), want_grads = value_and_grads(lax.conv_general_dilated, x, kernel,
+                                                      strides, padding, dilation)
+    (got_loss, got_y), got_grads = value_and_grads(onednn.conv_general_dilated, x, kernel,
+                                                   strides, padding, dilation)
+    assert got_y.shape == want_y.shape
+    assert relative_error(got_y, want_y) < 1e-5
+    assert relative_error(got_loss, want_loss) < 1e-5
+    for got, want in zip(got_grads, want_grads):
+        assert relative_error(got, want) < 1e-5
+    # and it is oneDNN that computed them: three custom calls in the program
+    text = jax.jit(jax.value_and_grad(lambda x, k: jnp.sum(onednn.conv_general_dilated(
+        x, k, strides, padding, rhs_dilation=dilation, dimension_numbers=onednn.NHWC)),
+        argnums=(0, 1))).lower(x, kernel).as_text()
+    assert all(f"{onednn.FFI_PREFIX}{kind}" in text for kind in onednn.TARGETS)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "grouped", "input_dilation", "nchw"])
+def test_what_onednn_does_not_cover_is_lax_s_own(case):
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 4), jnp.float32)
+    kernel = jax.random.normal(jax.random.key(1), (3, 3, 4, 4), jnp.float32)
+    kwargs, padding = dict(dimension_numbers=onednn.NHWC), "SAME"
+    if case == "bfloat16":
+        x, kernel = x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16)
+    elif case == "grouped":
+        kernel, kwargs["feature_group_count"] = kernel[:, :, :2], 2
+    elif case == "input_dilation":
+        kwargs["lhs_dilation"], padding = (2, 2), ((1, 1), (1, 1))
+    else:
+        x, kwargs["dimension_numbers"] = x.transpose(0, 3, 1, 2), ("NCHW", "HWIO", "NCHW")
+
+    def conv(fn):
+        return jax.jit(lambda x, k: fn(x, k, (1, 1), padding, **kwargs))
+    text = conv(onednn.conv_general_dilated).lower(x, kernel).as_text()
+    assert onednn.FFI_PREFIX not in text
+    np.testing.assert_array_equal(conv(onednn.conv_general_dilated)(x, kernel),
+                                  conv(lax.conv_general_dilated)(x, kernel))
+
+
+def test_vmap_runs_one_convolution_per_replica():
+    x = jax.random.normal(jax.random.key(0), (3, 2, 9, 9, 4), jnp.float32)
+    kernels = jax.random.normal(jax.random.key(1), (3, 3, 3, 4, 5), jnp.float32)
+
+    def loss(x, kernel):
+        return jnp.sum(onednn.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                                   dimension_numbers=onednn.NHWC) ** 2)
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=1)))(x, kernels)
+    for i in range(3):
+        want = jax.grad(lambda k: jnp.sum(lax.conv_general_dilated(
+            x[i], k, (1, 1), "SAME", dimension_numbers=onednn.NHWC) ** 2))(kernels[i])
+        assert relative_error(grads[i], want) < 1e-5
+
+
+CONV_MODELS = [
+    # (model.name, overrides, image shape)
+    ("seed_cnn", {"batch_norm": True}, (32, 32, 3)),
+    ("cifar_cnn", {"widths": (8, 16, 8), "stem_width": 4}, (28, 28, 1)),
+    ("resnet18", {}, (32, 32, 3)),        # the CIFAR stem
+    ("resnet50", {}, (64, 64, 3)),        # the ImageNet stem (7x7 stride 2, max-pool), bottlenecks
+    ("vit_tiny", {}, (32, 32, 3)),        # the patch conv (one block of twelve: see below)
+]
+
+
+@pytest.mark.parametrize("name,overrides,image_shape", CONV_MODELS,
+                         ids=[case[0] for case in CONV_MODELS])
+def test_every_built_in_conv_model_computes_the_same_loss_and_gradients(name, overrides,
+                                                                        image_shape):
+    config = defaults.get_config().model
+    config.name = name
+    for key, value in overrides.items():
+        config[key] = value
+    built = {}
+    for impl in ("xla", "onednn"):
+        config.conv_impl = impl
+        built[impl] = models.create_model(config, 10, jnp.float32, image_shape)
+        assert built[impl].conv_impl == impl
+        if name.startswith("vit"):  # its only conv is in front; one block compiles 12x faster
+            built[impl] = built[impl].clone(depth=1)
+    images = jax.random.normal(jax.random.key(0), (2, *image_shape))
+    labels = jax.nn.one_hot(jnp.arange(2) % 10, 10)
+    variables = built["xla"].init(jax.random.key(1), images)
+
+    def loss(params, model):
+        logits, _ = model.apply({**variables, "params": params}, images, train=True,
+                                mutable=["batch_stats"], rngs={"dropout": jax.random.key(2)})
+        return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), -1))
+
+    step = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (want_loss, want), (got_loss, got) = (step(variables["params"], built[impl])
+                                          for impl in ("xla", "onednn"))
+    assert abs(float(got_loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    # each gradient within 1e-5 of its own size; one that is zero in exact arithmetic (a
+    # conv's bias before BatchNorm) within 1e-5 of the largest gradient
+    largest = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(want))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        scale = float(jnp.max(jnp.abs(b)))
+        scale = scale if scale > 1e-3 * largest else largest
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_auto_is_onednn_on_one_cpu_device_and_a_wrong_name_is_one_line():
+    assert jax.default_backend() == "cpu" and jax.device_count() == 1
+    assert onednn.resolve("auto") == "onednn" and onednn.resolve("xla") == "xla"
+    config = defaults.get_config()
+    config.model.name = "cifar_cnn"
+    assert models.create_model(config.model, 10, jnp.float32).conv_impl == "onednn"
+    config.model.name = "mlp"
+    assert models.create_model(config.model, 10, jnp.float32).__class__.__name__ == "MLP"
+    config.model.conv_impl = "mkl"
+    with pytest.raises(checks.ConfigError, match=r"^config.model.conv_impl='mkl': must be "
+                                                 r"one of auto, xla, onednn$"):
+        checks.check_config(config)
+
+
+def without_a_compiler(tmp_path):
+    """An environment where the library was never built and cannot be: a fresh HOME (no
+    built copy) and a compiler that fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env.update(HOME=str(tmp_path / "home"), CXX="false")
+    return env
+
+
+def test_without_onednn_auto_says_so_once_and_uses_xla(tmp_path):
+    script = ("from jaxtrain import onednn\n"
+              "print(onednn.resolve('auto'), onednn.resolve('auto'))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, env=without_a_compiler(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["xla", "xla"]
+    lines = [line for line in done.stderr.splitlines() if "conv_impl" in line]
+    assert len(lines) == 1 and "XLA's convolutions" in lines[0]
+    assert "building onednn_conv.cc failed" in lines[0]
+
+
+def test_an_explicit_onednn_that_cannot_be_built_is_one_line_exit_2(tmp_path):
+    workdir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "main.py", "--config=configs/fashion_mnist_cnn.py",
+         f"--workdir={workdir}", "--config.model.conv_impl=onednn",
+         "--config.train.num_steps=2"],
+        cwd=REPO, capture_output=True, text=True, env=without_a_compiler(tmp_path),
+        timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config.model.conv_impl='onednn': building onednn_conv.cc "
+                           "failed"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert not workdir.exists() or not any(workdir.iterdir())
