@@ -7,15 +7,17 @@ Recipes, through jaxtrain.compare (the numbers a user of `python -m jaxtrain.com
 --rounds (3) alternating rounds of all of them, the median training seconds of each
 framework (compare's train_seconds less its eval_seconds: evaluation is timed apart):
 - configs/fashion_mnist_mlp.py, its 10 epochs: jax, torch_fast;
-- configs/cifar_seed_cnn.py, 6,000 steps (LeNet, batch 4): jax, torch_fast, torch_article;
+- configs/cifar_seed_cnn.py, 6,000 steps (LeNet, batch 4): jax, torch_fast, torch_article,
+  and jax with model.conv_impl='xla';
 - configs/fashion_mnist_cnn.py, 300 steps (cifar_cnn 16/32/64, batch 256): jax, torch_fast,
-  and jax with model.pool_impl='xla' (what the recipe cost before model.pool_impl).
+  jax with model.conv_impl='xla' (what the recipe cost before model.conv_impl) and with
+  both model.pool_impl and model.conv_impl 'xla' (before model.pool_impl too).
 
 Steps (--steps, after the recipes): one forward and backward pass of a training batch,
 float32, BatchNorm in training mode, the median of 5 after one untimed: cifar_cnn
 (64, 256, 256) on batch 256 at 32 px and resnet18 (CIFAR stem) on batch 32 at 64 px, in
-jaxtrain (model.pool_impl 'auto' and 'xla') and in its PyTorch twin (NCHW and
-channels_last). Timings on a shared CPU are noisy: read ratios within one run.
+jaxtrain (as configured, 'auto'; with model.conv_impl='xla'; with both it and
+model.pool_impl 'xla') and in its PyTorch twin (NCHW and channels_last). Timings on a shared CPU are noisy: read ratios within one run.
 """
 import argparse
 import json
@@ -31,10 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = {
     "fashion_mnist_mlp": ("configs/fashion_mnist_mlp.py", {}, ("jax", "torch_fast")),
     "cifar_seed_cnn": ("configs/cifar_seed_cnn.py", {"train.num_steps": 6000},
-                       ("jax", "torch_fast", "torch_article")),
+                       ("jax", "torch_fast", "torch_article", "jax_conv_xla")),
     "fashion_mnist_cnn": ("configs/fashion_mnist_cnn.py", {"train.num_steps": 300},
-                          ("jax", "torch_fast", "jax_pool_xla")),
+                          ("jax", "torch_fast", "jax_conv_xla", "jax_pool_xla")),
 }
+# jaxtrain as it was before an option: the config keys that undo it
+VARIANTS = {"jax_conv_xla": {"model.conv_impl": "xla"},
+            "jax_pool_xla": {"model.conv_impl": "xla", "model.pool_impl": "xla"}}
 
 
 def load_config(path: str, overrides: dict, cifar_dir: str):
@@ -64,12 +69,12 @@ def run_recipe(name: str, cifar_dir: str, workdir: str) -> dict:
     for result in output["results"]:
         seconds[result["framework"]] = (result["train_seconds"] - result["eval_seconds"],
                                         result["test_accuracy"])
-    if "jax_pool_xla" in frameworks:
-        config = load_config(path, {**overrides, "model.pool_impl": "xla"}, cifar_dir)
-        output = compare.run(config, ["jax"], os.path.join(workdir, name + "_pool_xla"))
+    for variant in (f for f in frameworks if f in VARIANTS):
+        config = load_config(path, {**overrides, **VARIANTS[variant]}, cifar_dir)
+        output = compare.run(config, ["jax"], os.path.join(workdir, f"{name}_{variant}"))
         result = output["results"][0]
-        seconds["jax_pool_xla"] = (result["train_seconds"] - result["eval_seconds"],
-                                   result["test_accuracy"])
+        seconds[variant] = (result["train_seconds"] - result["eval_seconds"],
+                            result["test_accuracy"])
     return seconds
 
 
@@ -114,14 +119,14 @@ def median_seconds(run, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def jax_step_seconds(name: str, pool_impl: str) -> float:
+def jax_step_seconds(name: str, pool_impl: str, conv_impl: str) -> float:
     import jax
     import jax.numpy as jnp
 
     from jaxtrain import defaults, models
     shape = STEP_MODELS[name]
     config = defaults.get_config().model
-    config.name, config.pool_impl = name, pool_impl
+    config.name, config.pool_impl, config.conv_impl = name, pool_impl, conv_impl
     for key in ("widths", "stem_width", "stem"):
         if key in shape:
             setattr(config, key, shape[key])
@@ -169,12 +174,14 @@ def steps() -> dict:
     table = {}
     for name in STEP_MODELS:
         row = {**STEP_MODELS[name],
-               "jax_seconds": jax_step_seconds(name, "auto"),
-               "jax_pool_xla_seconds": jax_step_seconds(name, "xla"),
+               "jax_seconds": jax_step_seconds(name, "auto", "auto"),
+               "jax_conv_xla_seconds": jax_step_seconds(name, "auto", "xla"),
+               "jax_pool_xla_seconds": jax_step_seconds(name, "xla", "xla"),
                "torch_seconds": torch_step_seconds(name, channels_last=False),
                "torch_channels_last_seconds": torch_step_seconds(name, channels_last=True)}
         table[name] = row
-        print(f"{name} forward+backward: jaxtrain {row['jax_seconds']:.3f} s (pool_impl='xla': "
+        print(f"{name} forward+backward: jaxtrain {row['jax_seconds']:.3f} s (conv_impl='xla': "
+              f"{row['jax_conv_xla_seconds']:.3f} s; and pool_impl='xla': "
               f"{row['jax_pool_xla_seconds']:.3f} s), PyTorch {row['torch_seconds']:.3f} s "
               f"(channels_last {row['torch_channels_last_seconds']:.3f} s)", flush=True)
     return table

@@ -81,7 +81,8 @@ def build() -> str:
                           f"{error.strerror}") from None
     os.close(handle)
     compiler = os.environ.get("CXX", "g++")
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{ffi_include}",
+    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
+               f"-I{ffi_include}",
                f"-I{include}", SOURCE, f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}", "-o", partial]
     try:
         done = subprocess.run(command, capture_output=True, text=True)
@@ -153,6 +154,9 @@ def _say_once(message: str) -> None:
 
 
 def _call(kind: str, out_shape, a, b, strides, dilation, padding):
+    reason = _load()  # registers the targets in this process, once
+    if reason:
+        raise Unavailable(f"config.model.conv_impl='onednn': {reason}")
     return jax.ffi.ffi_call(FFI_PREFIX + kind, jax.ShapeDtypeStruct(out_shape, jnp.float32),
                             vmap_method="sequential")(
         a, b, strides=np.asarray(strides, np.int64), dilation=np.asarray(dilation, np.int64),
