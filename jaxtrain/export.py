@@ -38,11 +38,21 @@ class ExportError(ConfigError):
     """The model cannot be exported as asked; the message says what to change."""
 
 
+def with_lax_convolutions(state):
+    """state whose model computes its convolutions with lax's (model.conv_impl='xla'):
+    oneDNN's custom calls exist only in a process that loaded jaxtrain, so neither a
+    StableHLO file nor ONNX could hold them. The same function (tests/test_onednn.py)."""
+    model = getattr(state.apply_fn, "__self__", None)
+    if getattr(model, "conv_impl", "xla") != "xla":
+        state = state.replace(apply_fn=model.clone(conv_impl="xla").apply)
+    return state
+
+
 def probabilities_function(classifier, tta: str = "none"):
     """images uint8 (N, H, W, C) -> float32 probabilities (N, classes): the classifier's
-    own prediction (the same jitted code as Classifier.predict), its weights closed over
-    so that an exporter writes them into the file."""
-    state = classifier.state
+    own prediction (the same jitted code as Classifier.predict, with lax's convolutions),
+    its weights closed over so that an exporter writes them into the file."""
+    state = with_lax_convolutions(classifier.state)
 
     def probabilities(images):
         return classifier.probabilities(state, images, tta=tta)
@@ -205,10 +215,9 @@ def export(workdir: str, format: str, out: str, batch: int | None = None, *,
     from jaxtrain import predict
     check_format(format, precision)
     check_writable(out)
-    # lax's own max-pooling and convolutions: ONNX's MaxPool and Conv, and the backend's
-    # own where a StableHLO file runs (oneDNN's custom calls exist only in jaxtrain)
+    # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
     classifier = predict.restore_for(workdir, checkpoint, weights, tta, precision,
-                                     pool_impl="xla", conv_impl="xla")
+                                     pool_impl="xla")
     return save(classifier, format, out, batch, tta, platforms)
 
 

@@ -123,8 +123,7 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
     train.precision (the weights are float32 either way). pool_impl: how the built-in
     CNNs' max-pooling is computed instead of the run's model.pool_impl (export asks for
     'xla': ONNX's MaxPool, and lax's own pooling wherever a StableHLO file runs);
-    conv_impl: the same for model.conv_impl (export asks for 'xla': oneDNN's custom
-    calls exist only in this process).
+    conv_impl: the same for model.conv_impl ('xla': lax's convolutions, e.g. to compare).
     """
     if which not in ("latest", "best"):
         raise ValueError(f"which={which!r}: must be 'latest' or 'best'")

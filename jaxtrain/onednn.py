@@ -4,10 +4,13 @@ XLA:CPU runs a convolution's weight gradient slowly and puts layout copies aroun
 in the Fashion-MNIST CNN's step the convolutions and their copies were 70% of the op
 time, twice what PyTorch's oneDNN takes for the same layers. 'onednn' hands the forward
 pass and both gradients of each float32 2-D convolution to oneDNN (the library PyTorch
-uses on a CPU) as XLA FFI custom calls: jaxtrain/onednn_conv.cc, compiled once per
-machine against the oneDNN wheel of the `cpu` extra and jaxlib's FFI headers. Anything
-it does not cover (another dtype, grouped or input-dilated convolutions, other layouts)
-stays lax's. 'auto' takes it on a single CPU device when it builds; GPUs keep cuDNN's.
+uses on a CPU) as XLA FFI custom calls (jax.ffi): jaxtrain/onednn_conv.cc, compiled on
+first use, once per machine, against the oneDNN wheel of the `cpu` extra and jaxlib's
+FFI headers. Each call runs on XLA's own threads (a batch slice each), so no second
+thread pool competes with XLA's. The same function as lax's to float32 rounding
+(tests/test_onednn.py); anything it does not cover (another dtype, grouped or
+input-dilated convolutions, other layouts) stays lax's. 'auto' takes it on a single CPU
+device when it builds; a program sharded over devices, an export and GPUs keep lax's.
 """
 import ctypes
 import functools
@@ -136,7 +139,10 @@ def resolve(conv_impl: str) -> str:
             raise Unavailable(f"config.model.conv_impl='onednn' runs on a CPU only; this "
                               f"backend is {jax.default_backend()} (use 'auto' or 'xla')")
         return "xla"
-    if conv_impl == "auto" and jax.device_count() > 1:
+    if jax.device_count() > 1:
+        if conv_impl == "onednn":
+            raise Unavailable(f"config.model.conv_impl='onednn' runs on one device; this run "
+                              f"has {jax.device_count()} (use 'auto' or 'xla')")
         return "xla"
     ok, reason = available()
     if ok:

@@ -4,8 +4,10 @@
 // HWIO kernels (Flax's layouts), so XLA passes its buffers as they are and no layout copy
 // is needed around them. oneDNN picks its own blocked layout for the (small) kernel; the
 // kernel is reordered into it on each call, as PyTorch's oneDNN path does. Primitives are
-// built once per shape and kept; each call brings its own scratch memory, so XLA may run
-// two of them at once. jaxtrain/onednn.py compiles this file and wires it into jax.
+// built once per shape and kept. A call is split by batch slices over XLA's intra-op
+// threads, oneDNN running sequentially in each (ParallelFor); scratch memory is per
+// thread, so XLA may run two calls at once. jaxtrain/onednn.py compiles this file and
+// wires it into jax.
 #include <omp.h>
 
 #include <algorithm>

@@ -19,7 +19,7 @@ FAILED = 1  # exit status: some files could not be classified (the rest were)
 
 
 def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None,
-                pool_impl=None, conv_impl=None):
+                pool_impl=None):
     """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)."""
     from jaxtrain import inference
     step, which = None, "latest"
@@ -31,7 +31,7 @@ def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, p
         step = int(checkpoint_flag)
         check_step(workdir, step)
     return inference.restore(workdir, step=step, which=which, weights=weights, tta=tta,
-                             precision=precision, pool_impl=pool_impl, conv_impl=conv_impl)
+                             precision=precision, pool_impl=pool_impl)
 
 
 def check_step(workdir: str, step: int) -> None:

@@ -208,3 +208,20 @@ def test_an_explicit_onednn_that_cannot_be_built_is_one_line_exit_2(tmp_path):
                            "failed"), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert not workdir.exists() or not any(workdir.iterdir())
+
+
+def test_several_devices_keep_xla_s_and_an_explicit_onednn_there_is_one_line(tmp_path):
+    script = ("from jaxtrain import onednn\n"
+              "print(onednn.resolve('auto'))\n"
+              "try:\n"
+              "    onednn.resolve('onednn')\n"
+              "except onednn.ConfigError as error:\n"
+              "    print(error)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "xla", "config.model.conv_impl='onednn' runs on one device; this run has 2 "
+               "(use 'auto' or 'xla')"]
