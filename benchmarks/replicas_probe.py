@@ -40,7 +40,7 @@ def probe(module, steps: int, replicas: int, data_dir: str) -> dict:
     if config.data.name == "cifar10":
         config.data.dir, config.data.source = data_dir, "files"
     run = prepare.setup(config)
-    kind = train.resolve_loop("auto", models.is_convolutional(config.model.name))
+    kind = train.resolve_loop("auto", models.xla_convolutions(config.model))
     step_kwargs = prepare.step_arguments(config, run)
     x_train, y_train = prepare.put_train_data(run)
     together = jax.tree.map(lambda leaf: jnp.stack([leaf] * replicas), run.state)

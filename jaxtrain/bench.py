@@ -131,7 +131,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     analysis, compiled_analysis = cost(lowered), cost(compiled)
 
     # Time the loop training would use: a lax.scan chunk, or one call per step.
-    loop = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+    loop = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))
     steps = max(1, min(steps, run.steps_per_epoch))
     run_chunk = train.compile_chunks(loop, run.state, x_train, y_train, run.data_key,
                                      {steps}, step_kwargs, out_sharding)

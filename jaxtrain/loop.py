@@ -352,7 +352,7 @@ def run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_ar
     """Each compiled chunk (one step of a per-step loop) and the evaluation, run once on a
     copy of `state` (the chunks donate it) with the results dropped: their first-run
     costs are then paid before the clock starts."""
-    kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+    kind = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))
     lengths = sorted({length for _, _, length in plan}) if kind == "scan" else [1]
     for length in lengths if plan else ():
         jax.block_until_ready(run_chunk(jax.tree.map(jnp.copy, state), data_key, 0, 0, length))
@@ -383,7 +383,7 @@ def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, 
     if stream is not None:
         return train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
                                            step_kwargs, out_sharding)
-    kind = train.resolve_loop(config.train.loop, models.is_convolutional(config.model.name))
+    kind = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))
     return train.compile_chunks(kind, state, *train_arrays, data_key,
                                 {length for _, _, length in plan}, step_kwargs, out_sharding,
                                 replicas=bool(run.runs))

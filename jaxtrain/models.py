@@ -532,5 +532,16 @@ def is_convolutional(name: str) -> bool:
     return name in ("seed_cnn", "cifar_cnn") or name in RESNETS or user_model.is_user_model(name)
 
 
+def xla_convolutions(model_config) -> bool:
+    """Whether the model's convolutions are XLA's own: a convolutional model whose
+    model.conv_impl resolves to 'xla' here, or a user's model (taken to be
+    convolutional, with lax's). What keeps train.loop='auto' out of a scan on the CPU."""
+    if user_model.is_user_model(model_config.name):
+        return True
+    if not is_convolutional(model_config.name):
+        return False
+    return onednn.resolve(model_config.get("conv_impl", "xla")) == "xla"
+
+
 def count_params(params) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree_util.tree_leaves(params)))

@@ -503,7 +503,7 @@ def test_resnet18_trains_on_32px_images(cifar_batches_dir):
     run = prepare.setup(config, abstract_state=True)
     assert models.count_params(run.state.params) == 11_173_962  # the cifar stem
     assert run.state.params["Conv_0"]["kernel"].shape == (3, 3, 3, 64)
-    assert models.is_convolutional(config.model.name)  # the CPU's per-step loop
+    assert models.is_convolutional(config.model.name)
     opt = config.optimizer
     opt.schedule, opt.learning_rate = "constant", 0.01
     tx = optim.create_optimizer(opt, optax.constant_schedule(opt.learning_rate))

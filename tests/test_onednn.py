@@ -225,3 +225,14 @@ def test_several_devices_keep_xla_s_and_an_explicit_onednn_there_is_one_line(tmp
     assert done.stdout.splitlines() == [
         "xla", "config.model.conv_impl='onednn' runs on one device; this run has 2 "
                "(use 'auto' or 'xla')"]
+
+
+def test_convolutional_models_through_onednn_scan_on_the_cpu_and_xla_s_step_by_step():
+    from jaxtrain import train
+    config = defaults.get_config().model
+    for name, conv_impl, kind in [("cifar_cnn", "auto", "scan"), ("seed_cnn", "onednn", "scan"),
+                                  ("resnet18", "xla", "python"), ("mlp", "auto", "scan"),
+                                  ("mlp", "xla", "scan")]:
+        config.name, config.conv_impl = name, conv_impl
+        assert train.resolve_loop("auto", models.xla_convolutions(config)) == kind, name
+        assert train.resolve_loop("python", models.xla_convolutions(config)) == "python"
