@@ -111,7 +111,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.label_smoothing = 0.0
     config.train.log_every_steps = 0  # a metrics.jsonl row every this many steps; 0 = about 50 rows a run (no extra chunks either way)
     config.train.chunk_steps = 0     # > 0: a chunk (one program call) ends at every multiple of this many steps, where a multi-process run can stop for a signal; 0 = epochs
-    config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the CPU
+    config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the
+                                     # CPU for models with XLA's convolutions (model.conv_impl='xla', users' models)
 
     config.train.replicas = 1        # > 1: this many runs trained together in one program (jax.vmap),
                                      # seeds seed, seed+1, ...; crossed with `sweep` below
