@@ -53,25 +53,30 @@ def _prefixes():
 
 
 def _find_onednn():
+    """(include folder, lib folder) of the first prefix holding oneDNN's C++ header and
+    its shared library."""
     for prefix in _prefixes():
-        header = os.path.join(prefix, "include", "oneapi", "dnnl", "dnnl.hpp")
-        if os.path.isfile(header) and any(
-                name.startswith("libdnnl.so") for name in os.listdir(os.path.join(prefix, "lib"))
-                if os.path.isdir(os.path.join(prefix, "lib"))):
-            return os.path.join(prefix, "include"), os.path.join(prefix, "lib")
+        include, lib = os.path.join(prefix, "include"), os.path.join(prefix, "lib")
+        header = os.path.join(include, "oneapi", "dnnl", "dnnl.hpp")
+        libraries = os.listdir(lib) if os.path.isdir(lib) else []
+        if os.path.isfile(header) and any(name.startswith("libdnnl.so") for name in libraries):
+            return include, lib
     raise Unavailable(f"oneDNN 3's headers and library were not found under {sys.prefix}; "
                       f"{INSTALL_HINT}")
 
 
 def build() -> str:
     """The compiled library's path: built on first use into BUILD_DIR, named by a hash
-    of the source and of the jaxlib it was built for; written atomically, so parallel
-    processes building at once are safe."""
+    of the source, the jaxlib and the command it was built with; written atomically, so
+    parallel processes building at once are safe."""
     include, lib = _find_onednn()
-    ffi_include = jax.ffi.include_dir()
+    compiler = os.environ.get("CXX", "g++")
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
+             f"-I{jax.ffi.include_dir()}", f"-I{include}", f"-L{lib}", "-ldnnl",
+             f"-Wl,-rpath,{lib}"]
     with open(SOURCE, "rb") as source:
         digest = hashlib.sha256(source.read() + jax.__version__.encode()
-                                + include.encode()).hexdigest()[:16]
+                                + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     directory = os.path.expanduser(BUILD_DIR)
     target = os.path.join(directory, f"onednn_conv-{digest}.so")
     if os.path.isfile(target):
@@ -83,12 +88,9 @@ def build() -> str:
         raise Unavailable(f"cannot build oneDNN's convolutions in {directory}: "
                           f"{error.strerror}") from None
     os.close(handle)
-    compiler = os.environ.get("CXX", "g++")
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
-               f"-I{ffi_include}",
-               f"-I{include}", SOURCE, f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}", "-o", partial]
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run([compiler, SOURCE, *flags, "-o", partial], capture_output=True,
+                              text=True)
     except FileNotFoundError:
         os.unlink(partial)
         raise Unavailable(f"no C++ compiler ({compiler}) to build oneDNN's convolutions; "
@@ -107,14 +109,16 @@ def _load() -> str:
     """Builds and registers the three FFI targets once per process; '' when it worked,
     else the reason it did not (cached too: one failed build is not retried per layer)."""
     try:
-        library = ctypes.cdll.LoadLibrary(build())
+        path = build()
     except Unavailable as error:
         return str(error)
+    try:
+        library = ctypes.cdll.LoadLibrary(path)
     except OSError as error:
-        return f"loading oneDNN's convolutions failed: {error}"
+        return f"loading {path} failed ({error}); delete it to build it again"
     for kind, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(FFI_PREFIX + kind, jax.ffi.pycapsule(getattr(library, symbol)),
-                                    platform="cpu")
+        handler = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(FFI_PREFIX + kind, handler, platform="cpu")
     return ""
 
 

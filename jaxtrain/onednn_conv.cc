@@ -280,25 +280,35 @@ std::shared_ptr<const Plan> KernelGradPlan(const Geometry& g) {
   });
 }
 
+// The forward pass (x -> y) and the input gradient (dy -> dx) have one shape: the kernel
+// goes in, one activation goes in and another comes out, each batch slice on a thread.
+// `forward` says which: the activation going in is the source (x) or the gradient (dy).
+ffi::Error SlicedWithKernelIn(ffi::ThreadPool& pool, const Geometry& g, bool forward,
+                              const float* in, float* out, float* kernel) {
+  int slices = Slices(pool, g);
+  ParallelFor(pool, slices, [&](int i) {
+    auto [begin, end] = SliceRange(g.src[0], i, slices);
+    auto part = WithBatch(g, end - begin);
+    const auto& in_dims = forward ? part.src : part.dst;
+    const auto& out_dims = forward ? part.dst : part.src;
+    auto& engine = Engine();
+    Run(*(forward ? ForwardPlan(part) : InputGradPlan(part)),
+        {{forward ? DNNL_ARG_SRC : DNNL_ARG_DIFF_DST,
+          memory(Nhwc(in_dims), engine, const_cast<float*>(in) + begin * PerImage(in_dims))},
+         {forward ? DNNL_ARG_DST : DNNL_ARG_DIFF_SRC,
+          memory(Nhwc(out_dims), engine, out + begin * PerImage(out_dims))}},
+        DNNL_ARG_WEIGHTS, kernel, true);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> strides,
                        ffi::Span<const int64_t> dilation, ffi::Span<const int64_t> padding) {
   return Guarded([&] {
     auto g = MakeGeometry(x.dimensions(), w.dimensions(), y->dimensions(), strides, dilation,
                           padding);
-    int slices = Slices(pool, g);
-    ParallelFor(pool, slices, [&](int i) {
-      auto [begin, end] = SliceRange(g.src[0], i, slices);
-      auto part = WithBatch(g, end - begin);
-      auto& engine = Engine();
-      Run(*ForwardPlan(part),
-          {{DNNL_ARG_SRC, memory(Nhwc(part.src), engine,
-                                 x.typed_data() + begin * PerImage(g.src))},
-           {DNNL_ARG_DST, memory(Nhwc(part.dst), engine,
-                                 y->typed_data() + begin * PerImage(g.dst))}},
-          DNNL_ARG_WEIGHTS, w.typed_data(), true);
-    });
-    return ffi::Error::Success();
+    return SlicedWithKernelIn(pool, g, true, x.typed_data(), y->typed_data(), w.typed_data());
   });
 }
 
@@ -309,19 +319,8 @@ ffi::Error InputGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dy,
   return Guarded([&] {
     auto g = MakeGeometry(dx->dimensions(), w.dimensions(), dy.dimensions(), strides, dilation,
                           padding);
-    int slices = Slices(pool, g);
-    ParallelFor(pool, slices, [&](int i) {
-      auto [begin, end] = SliceRange(g.src[0], i, slices);
-      auto part = WithBatch(g, end - begin);
-      auto& engine = Engine();
-      Run(*InputGradPlan(part),
-          {{DNNL_ARG_DIFF_DST, memory(Nhwc(part.dst), engine,
-                                      dy.typed_data() + begin * PerImage(g.dst))},
-           {DNNL_ARG_DIFF_SRC, memory(Nhwc(part.src), engine,
-                                      dx->typed_data() + begin * PerImage(g.src))}},
-          DNNL_ARG_WEIGHTS, w.typed_data(), true);
-    });
-    return ffi::Error::Success();
+    return SlicedWithKernelIn(pool, g, false, dy.typed_data(), dx->typed_data(),
+                              w.typed_data());
   });
 }
 

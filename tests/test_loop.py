@@ -116,11 +116,12 @@ def main_py(workdir, data_dir, home, *args):
 @pytest.fixture(scope="module")
 def profiled_run(cifar_batches_dir, tmp_path_factory):
     """20 steps, test points every 8 steps, 3 steps profiled; HOME is a fresh folder, so
-    the compilation cache starts empty. Then the same recipe again in a new workdir."""
+    the compilation cache starts empty. Then the same command again in a new workdir (the
+    same chunks of scanned steps: the same programs)."""
     home, root = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("runs")
-    first = main_py(root / "first", cifar_batches_dir, home, "--profile=3",
-                    "--config.eval.every_steps=8")
-    again = main_py(root / "again", cifar_batches_dir, home)
+    flags = ("--profile=3", "--config.eval.every_steps=8")
+    first = main_py(root / "first", cifar_batches_dir, home, *flags)
+    again = main_py(root / "again", cifar_batches_dir, home, *flags)
     return home, root, first, again
 
 
@@ -215,7 +216,8 @@ def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
     monkeypatch.setattr(actions, "LONG_RUN_SECONDS", 0.0)
     config = cifar_seed_cnn.get_config()
     config.data.dir, config.data.source = str(cifar_batches_dir), "files"
-    config.train.num_steps, config.train.batch_size = 12, 50  # one chunk, a call per step
+    config.train.num_steps, config.train.batch_size = 12, 50  # one chunk,
+    config.train.loop = "python"  # a call per step (a scanned chunk is timed as a whole)
     loop.train_and_evaluate(config, str(tmp_path))
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("projected:")]
