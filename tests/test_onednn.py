@@ -118,6 +118,7 @@ CONV_MODELS = [
     ("seed_cnn", {"batch_norm": True}, (32, 32, 3)),
     ("cifar_cnn", {"widths": (8, 16, 8), "stem_width": 4}, (28, 28, 1)),
     ("resnet18", {}, (32, 32, 3)),        # the CIFAR stem
+    ("resnet34", {}, (32, 32, 3)),
     ("resnet50", {}, (64, 64, 3)),        # the ImageNet stem (7x7 stride 2, max-pool), bottlenecks
     ("vit_tiny", {}, (32, 32, 3)),        # the patch conv (one block of twelve: see below)
 ]
