@@ -98,7 +98,7 @@ def build() -> str:
     if done.returncode:
         os.unlink(partial)
         first = next((line for line in done.stderr.splitlines() if "error" in line),
-                     done.stderr.strip()[:200])
+                     done.stderr.strip()[:200] or f"{compiler} exited with {done.returncode}")
         raise Unavailable(f"building {os.path.basename(SOURCE)} failed: {first}")
     os.replace(partial, target)
     return target
@@ -195,7 +195,6 @@ def _forward(x, kernel, strides, dilation, padding):
 
 def _backward(strides, dilation, padding, saved, grad):
     x, kernel = saved
-    grad = grad.astype(jnp.float32)
     dx = _call("input_grad", x.shape, grad, kernel, strides, dilation, padding)
     dkernel = _call("kernel_grad", kernel.shape, x, grad, strides, dilation, padding)
     return dx, dkernel
