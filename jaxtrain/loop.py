@@ -292,10 +292,16 @@ def summarize(session: Session) -> dict:
         session.reporter.plot()
     replica_results = None
     if run.runs:  # every replica's results; the top-level figures are their means
+        # Hashed from one host copy: indexing the replicas on their devices would
+        # dispatch a multi-device program per leaf and replica, whose collectives can
+        # stall XLA:CPU's in-process communicator when more devices than cores share it.
+        weights = jax.tree.map(checkpoint.host_value,
+                               {"params": state.params, "batch_stats": state.batch_stats})
         replica_results = replicas.summarize(run.runs, [
             {"test_accuracy": test_metrics["accuracy"][r], "test_loss": test_metrics["loss"][r],
              "train_loss": report.epoch_means(records, run.steps_per_epoch, r)["train_loss"],
-             "params_sha256": checkpoint.params_sha256(replicas.take(state, r))}
+             "params_sha256": checkpoint.params_sha256(
+                 state.replace(**replicas.take(weights, r)))}
             for r in range(len(run.runs))])
         test_metrics = {name: replicas.mean_std(values)[0]
                         for name, values in test_metrics.items()}
