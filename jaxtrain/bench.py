@@ -63,6 +63,7 @@ PROCESS_START = process_start_time()
 
 import functools  # noqa: E402  (after the clock: the imports below are part of the run)
 import json  # noqa: E402
+import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -71,7 +72,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain import data, hlo, models, parallel, prepare, profile, report, train  # noqa: E402
+from jaxtrain import (data, hlo, models, onednn, parallel, prepare, profile, report,  # noqa: E402
+                      train)
 from jaxtrain.errors import ConfigError, TrainingError  # noqa: E402
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets,
@@ -90,6 +92,37 @@ def cost(program) -> dict:
     if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
         analysis = analysis[0] if analysis else {}
     return dict(analysis or {})
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of the matrix products and convolutions in a (closed) jaxpr, 2 per
+    multiply-add, sub-programs included (a scan's body times its length; a while loop's
+    body once, its trip count being unknown; a cond's costliest branch). Counted from
+    shapes, so the same on every backend: XLA's own cost analysis is empty on some GPU
+    builds and blind to library calls (oneDNN's convolutions on a CPU)."""
+    total = 0.0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        name = eqn.primitive.name
+        shapes = [tuple(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
+        outs = [tuple(v.aval.shape) for v in eqn.outvars]
+        if name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            total += 2 * math.prod(outs[0]) * math.prod(shapes[0][d] for d in contracting)
+        elif name == "conv_general_dilated":
+            rhs, rhs_spec = shapes[1], eqn.params["dimension_numbers"].rhs_spec
+            total += 2 * math.prod(outs[0]) * math.prod(rhs) / rhs[rhs_spec[0]]
+        elif name == "ffi_call":
+            total += onednn.call_flops(eqn.params.get("target_name", ""), shapes, outs) or 0
+        else:
+            subs = [matmul_flops(v) for v in eqn.params.values() if _is_jaxpr(v)]
+            branches = [matmul_flops(b) for b in eqn.params.get("branches", ())]
+            total += (eqn.params["length"] if name == "scan" else 1) * sum(subs)
+            total += max(branches, default=0.0)
+    return total
+
+
+def _is_jaxpr(value) -> bool:
+    return hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns")
 
 
 # ---------------------------------------------------------------- inspection
@@ -129,6 +162,8 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     compile_seconds = time.perf_counter() - start
     text = compiled.as_text()
     analysis, compiled_analysis = cost(lowered), cost(compiled)
+    step_matmul_flops = matmul_flops(jax.make_jaxpr(functools.partial(
+        train.train_step_at, **step_kwargs))(run.state, np.int32(0), x_train, y_train, *order))
 
     # Time the loop training would use: a lax.scan chunk, or one call per step.
     loop = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))
@@ -151,7 +186,12 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
         ops = profile.op_table(path, steps, step_seconds=step_seconds)
 
     devices = run.mesh.size
-    flops = float(analysis.get("flops", 0.0))  # per device, from the lowered program
+    # Per device. XLA's count of the lowered program (elementwise work included) where it
+    # gives one; where it gives none (jax 0.11.2 on the H200), the jaxpr's matrix work.
+    flops = float(analysis.get("flops", 0.0))
+    source = "lowered program"
+    if flops <= 0:
+        flops, source = step_matmul_flops / devices, "jaxpr (matrix products and convolutions)"
     device_kind = jax.devices()[0].device_kind
     peak = peak_tflops(device_kind)
     achieved = flops / step_seconds / 1e12
@@ -162,7 +202,8 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
         "param_count": models.count_params(run.state.params),
         "compile_seconds": compile_seconds,
         "kernels_per_step": sum(kernels.values()), "kernels": dict(kernels.most_common()),
-        "flops_per_step": flops * devices, "flops_source": "lowered program",
+        "flops_per_step": flops * devices, "flops_source": source,
+        "matmul_flops_per_step": step_matmul_flops,
         # XLA's count on the compiled program: equal on a CPU, 0 or less on a GPU where
         # convolutions and matrix products became library calls.
         "compiled_flops_per_step": float(compiled_analysis.get("flops", 0.0)) * devices,
@@ -190,7 +231,7 @@ def print_inspection(info: dict, config_name: str, stream=sys.stdout) -> None:
     kinds = ", ".join(f"{kind} {count}" for kind, count in info["kernels"].items())
     line(f"  XLA kernels per step:      {info['kernels_per_step']} ({kinds})")
     line(f"  FLOPs per step:            {info['flops_per_step'] / 1e9:,.4g} G "
-         f"({info['flops_per_image'] / 1e9:.4g} G per image)")
+         f"({info['flops_per_image'] / 1e9:.4g} G per image; {info['flops_source']})")
     line(f"  bytes accessed per step:   {info['bytes_accessed_per_step'] / 1e9:,.4g} GB")
     peak = (f", {info['fraction_of_peak']:.1%} of the {info['peak_bf16_tflops_per_device']:g} "
             "TFLOP/s bf16 peak" if info["fraction_of_peak"] is not None

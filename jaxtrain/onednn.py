@@ -16,6 +16,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -201,6 +202,19 @@ def _backward(strides, dilation, padding, saved, grad):
 
 
 onednn_conv.defvjp(_forward, _backward)
+
+
+def call_flops(target_name: str, operand_shapes, result_shapes) -> int | None:
+    """FLOPs (2 x multiply-adds) of one of these FFI calls, from its shapes; None for
+    another target. Each of the three does the forward convolution's multiply-adds: one
+    per element of the output (or its gradient) and kernel element over output channels."""
+    kind = target_name[len(FFI_PREFIX):] if target_name.startswith(FFI_PREFIX) else None
+    if kind not in TARGETS:
+        return None
+    output, kernel = {"forward": (result_shapes[0], operand_shapes[1]),
+                      "input_grad": (operand_shapes[0], operand_shapes[1]),
+                      "kernel_grad": (operand_shapes[1], result_shapes[0])}[kind]
+    return 2 * math.prod(output) * math.prod(kernel) // kernel[-1]
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from configs import cifar_seed_cnn
-from jaxtrain import bench, report
+import jax
+import jax.numpy as jnp
+
+from jaxtrain import bench, onednn, report
 
 REPO = Path(__file__).resolve().parents[1]
 MLP_OVERRIDES = ("--config=configs/cifar_seed_cnn.py", "--config.model.name=mlp",
@@ -92,6 +95,11 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
     # matrix products in library calls); on the CPU XLA's compiled count agrees with it.
     assert info["flops_source"] == "lowered program"
     assert info["compiled_flops_per_step"] == pytest.approx(info["flops_per_step"], rel=1e-3)
+    # The jaxpr's matrix work, exactly: forward, every weight gradient, and the input
+    # gradients of the two layers whose input is not the data.
+    dense = 2 * (32 * 32 * 3 * 64 + 64 * 32 + 32 * 10)
+    assert info["matmul_flops_per_step"] == config.train.batch_size * (
+        2 * dense + 2 * (64 * 32 + 32 * 10))
     assert len(info["step_seconds_timings"]) == 5
     assert info["step_seconds"] == min(info["step_seconds_timings"])
     assert info["collectives_per_step"] == {}  # one device
@@ -112,6 +120,40 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
     assert "XLA kernels per step:" in out.getvalue() and "TFLOP/s" in out.getvalue()
     assert f"top {len(table['top_ops'])} of {table['distinct_ops']} XLA ops" in out.getvalue()
     assert table["top_ops"][0]["op"] in out.getvalue()
+
+
+def test_where_xla_counts_no_flops_the_jaxpr_s_matrix_work_is_reported(cifar_batches_dir,
+                                                                        monkeypatch):
+    """jax 0.11.2 on the H200 gave an empty cost analysis: the report must not say 0."""
+    monkeypatch.setattr(bench, "cost", lambda program: {})
+    info = bench.inspect(mlp_config(cifar_batches_dir), steps=2, repeats=1)
+    assert info["flops_source"] == "jaxpr (matrix products and convolutions)"
+    assert info["flops_per_step"] == info["matmul_flops_per_step"] > 0
+    assert info["achieved_tflops_per_device"] > 0
+
+
+def test_matmul_flops_counts_products_convolutions_loops_and_branches():
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+    assert bench.matmul_flops(jax.make_jaxpr(jnp.dot)(x, w)) == 2 * 8 * 16 * 4
+    looped = jax.make_jaxpr(lambda x, w: jax.lax.scan(
+        lambda c, _: (c, jnp.dot(c, w)), x, None, length=3)[1])(x, w)
+    assert bench.matmul_flops(looped) == 3 * 2 * 8 * 16 * 4
+    branch = jax.make_jaxpr(lambda p, x, w: jax.lax.cond(
+        p, lambda: jnp.dot(x, w).sum(), lambda: x.sum()))(True, x, w)
+    assert bench.matmul_flops(branch) == 2 * 8 * 16 * 4
+    images, kernel = jnp.ones((2, 9, 9, 3)), jnp.ones((3, 3, 3, 5))  # NHWC, HWIO, 'SAME'
+
+    def conv_loss(impl):
+        conv = onednn.conv_function(impl)
+        return lambda x, k: conv(x, k, (1, 1), "SAME", dimension_numbers=onednn.NHWC).sum()
+
+    forward = 2 * (2 * 9 * 9 * 5) * (3 * 3 * 3)
+    assert bench.matmul_flops(jax.make_jaxpr(conv_loss("xla"))(images, kernel)) == forward
+    # forward, input gradient and kernel gradient: three times the forward's work, whether
+    # lax's convolutions or oneDNN's FFI calls do it
+    for impl in ("xla", "onednn"):
+        grads = jax.make_jaxpr(jax.grad(conv_loss(impl), argnums=(0, 1)))(images, kernel)
+        assert bench.matmul_flops(grads) == 3 * forward, impl
 
 
 def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_dir, tmp_path):
