@@ -69,6 +69,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -96,12 +97,12 @@ def cost(program) -> dict:
 
 def matmul_flops(jaxpr) -> float:
     """FLOPs of the matrix products and convolutions in a (closed) jaxpr, 2 per
-    multiply-add, sub-programs included (a scan's body times its length; a while loop's
+    multiply-add (every kernel tap, padding included), sub-programs included (a scan's body times its length; a while loop's
     body once, its trip count being unknown; a cond's costliest branch). Counted from
     shapes, so the same on every backend: XLA's own cost analysis is empty on some GPU
     builds and blind to library calls (oneDNN's convolutions on a CPU)."""
     total = 0.0
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    for eqn in _live_equations(getattr(jaxpr, "jaxpr", jaxpr)):
         name = eqn.primitive.name
         shapes = [tuple(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
         outs = [tuple(v.aval.shape) for v in eqn.outvars]
@@ -119,6 +120,19 @@ def matmul_flops(jaxpr) -> float:
             total += (eqn.params["length"] if name == "scan" else 1) * sum(subs)
             total += max(branches, default=0.0)
     return total
+
+
+def _live_equations(jaxpr) -> list:
+    """The equations whose results reach the jaxpr's outputs (or that have effects): a
+    traced gradient keeps work XLA will drop, such as a forward pass whose value no
+    output needs."""
+    live = {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+    return kept[::-1]
 
 
 def _is_jaxpr(value) -> bool:

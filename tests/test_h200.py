@@ -153,7 +153,11 @@ def test_the_plan_adds_up_and_benchmarks_md_shows_it():
     assert not {"inspect_cifar", "seed_single"} & set(names)
     assert "torch_article" not in " ".join(" ".join(c) for _, c, _ in h200.items(
         "D", "A", "W", dry=False))
-    assert names.index("seed_64_replicas") < names.index("compare_seed")
+    # The first loan (benchmarks/results/h200.json) settled the epoch count; what it measured
+    # already runs after what it could not reach.
+    assert not [name for name in names if name.endswith("_epochs")]
+    assert names.index("compare_seed") < names.index("seed_64_replicas")
+    assert names.index("resnet50_largest_batch") < names.index("cifar_train")
     assert h200.plan_table() in (REPO / "BENCHMARKS.md").read_text()
 
 
