@@ -84,10 +84,16 @@ PLAN = (
          "built, a program compiled", "an API change fails here in seconds, not in every item"),
     Step("speedrun", 62, 52, "10 seeds of the speedrun: accuracy mean/std, seconds per run, "
          "compile seconds", "the figure the project is judged by"),
+    Step("speedrun_pool_corners", 55, 47, "5 seeds of the speedrun with model.pool_impl="
+         "'corners' (the same numbers to the bit): seconds per run against the speedrun "
+         "item's", "the first loan's trace: the max-pool gradient's scatter and windowed "
+         "reductions were 1.4 of the step's 6.63 ms"),
     Step("compare_speedrun", 90, 79, "the speedrun recipe in jaxtrain and in PyTorch "
          "(torch.compile) side by side", "the bar is beating PyTorch on the same recipe"),
     Step("inspect_speedrun", 42, 36, "the speedrun's step: kernels by kind, FLOPs, TFLOP/s, "
          "fraction of peak, top ops, a trace", "where the speedrun's time goes"),
+    Step("inspect_speedrun_corners", 45, 38, "the speedrun's step with model.pool_impl="
+         "'corners': step time, top ops, a trace", "whether the scatter left the trace"),
     Step("compare_seed", 108, 85, "the seed recipe in jaxtrain (one run: its images/s) and "
          "the fastest PyTorch", "the first loan's 55 s cap cut PyTorch's side off (jaxtrain: "
          "2.99 s; the article's PyTorch as written: 82.6 s)"),
@@ -95,16 +101,16 @@ PLAN = (
          "train step fits the H200, plain, with model.remat and with accumulate_steps=4 "
          "(compiled memory analyses, nothing trained)", "issue #30; the first loan's 40 s "
          "showed only that 1,024 fits (42.1 GB plain, 14.9 GB with remat)"),
+)
+# If time is left, each with at most its cap of what is left: figures the first loan
+# measured already (finetune_resnet50_224, speedrun_whole_process, cifar_train,
+# seed_64_replicas), and ResNet-50 from scratch, which it did not reach.
+EXTRAS = (
     Step("finetune_resnet50_224", 100, 91, "configs/finetune.py: ResNet-50 at 224 px from "
          "random-init torchvision weights (model.init_from), 40 steps of batch 256, jaxtrain "
          "and PyTorch (channels_last, bf16 autocast, torch.compile) from the same weights: "
          "images/s each", "the ImageNet-class throughput frameworks are compared by, on the "
          "path people fine-tune with"),
-)
-# If time is left, each with at most its cap of what is left: figures the first loan
-# measured already (speedrun_whole_process, cifar_train, seed_64_replicas), and
-# ResNet-50 from scratch, which it did not reach.
-EXTRAS = (
     Step("speedrun_whole_process", 55, 49, "one speedrun as a user starts it: whole process "
          "cold, then with a warm cache", "what a user waits for, compilation included"),
     Step("cifar_train", 40, 32, "configs/cifar.py trained in full: test accuracy, train and "
@@ -180,6 +186,16 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
                                        f"--profile={path('profile/speedrun')}",
                                        f"--json={path('inspect_speedrun.json')}"],
                              path("inspect_speedrun.json")),
+        "speedrun_pool_corners": (
+            python + ["-m", "jaxtrain.bench", *speedrun, "--config.model.pool_impl=corners",
+                      "--runs=" + str(min(runs, 5)), timed[1],
+                      f"--json={path('speedrun_pool_corners.json')}"],
+            path("speedrun_pool_corners.json")),
+        "inspect_speedrun_corners": (
+            python + ["-m", "jaxtrain.bench", *speedrun, "--config.model.pool_impl=corners",
+                      "--inspect", steps, f"--profile={path('profile/speedrun_corners')}",
+                      f"--json={path('inspect_speedrun_corners.json')}"],
+            path("inspect_speedrun_corners.json")),
         "speedrun_whole_process": (
             python + ["-m", "jaxtrain.bench", *speedrun, "--runs=1", "--warmup=0",
                       "--whole_process", f"--compilation_cache={path('xla')}",
