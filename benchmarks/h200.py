@@ -87,7 +87,7 @@ PLAN = (
     Step("speedrun_pool_corners", 55, 47, "5 seeds of the speedrun with model.pool_impl="
          "'corners' (the same numbers to the bit): seconds per run against the speedrun "
          "item's", "the first loan's trace: the max-pool gradient's scatter and windowed "
-         "reductions were 1.4 of the step's 6.63 ms"),
+         "reductions were 1.5 ms of the step's 6.63"),
     Step("compare_speedrun", 90, 79, "the speedrun recipe in jaxtrain and in PyTorch "
          "(torch.compile) side by side", "the bar is beating PyTorch on the same recipe"),
     Step("inspect_speedrun", 42, 36, "the speedrun's step: kernels by kind, FLOPs, TFLOP/s, "
