@@ -22,6 +22,9 @@ the old running average). Differences from the record: optax's Muon averages
 its momentum with bias correction where the record sums it (the same direction
 after the first few steps); the filters are renormalised after each step, not
 before it.
+
+On one H200 with the shared JPEG (q75) copy: 90.71% +- 0.15 over 10 seeds in 1.370 s
+a run, 1.53x faster than the same recipe in PyTorch there (BENCHMARKS.md).
 """
 from configs import cifar, default
 
