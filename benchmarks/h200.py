@@ -151,7 +151,8 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
     cifar = ["--config=configs/cifar.py", data, *(DRY_CIFAR if dry else ())]
     seed = ["--config=configs/cifar_seed_cnn.py", data, *(DRY_SEED if dry else ())]
     runs = runs if runs is not None else (2 if dry else 10)
-    timed = [f"--runs={runs}", "--warmup=0" if dry else "--warmup=1"]
+    warmup = "--warmup=0" if dry else "--warmup=1"
+    timed = [f"--runs={runs}", warmup]
     steps = "--steps=2" if dry else "--steps=20"
     # On a CPU torch.compile is off by default: the dry run switches it on, so the
     # path a GPU takes is compiled here too.
@@ -188,7 +189,7 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
                              path("inspect_speedrun.json")),
         "speedrun_pool_corners": (
             python + ["-m", "jaxtrain.bench", *speedrun, "--config.model.pool_impl=corners",
-                      "--runs=" + str(min(runs, 5)), timed[1],
+                      f"--runs={min(runs, 5)}", warmup,
                       f"--json={path('speedrun_pool_corners.json')}"],
             path("speedrun_pool_corners.json")),
         "inspect_speedrun_corners": (

@@ -97,8 +97,9 @@ def cost(program) -> dict:
 
 def matmul_flops(jaxpr) -> float:
     """FLOPs of the matrix products and convolutions in a (closed) jaxpr, 2 per
-    multiply-add (every kernel tap, padding included), sub-programs included (a scan's body times its length; a while loop's
-    body once, its trip count being unknown; a cond's costliest branch). Counted from
+    multiply-add (every kernel tap, padding included), sub-programs included (a scan's
+    body times its length; a while loop's body once, its trip count being unknown; a
+    cond's costliest branch). Counted from
     shapes, so the same on every backend: XLA's own cost analysis is empty on some GPU
     builds and blind to library calls (oneDNN's convolutions on a CPU)."""
     total = 0.0
@@ -171,13 +172,13 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     start = time.perf_counter()
     step_fn = jax.jit(functools.partial(train.train_step_at, **step_kwargs), donate_argnums=0,
                       out_shardings=out_sharding)
-    lowered = step_fn.lower(run.state, np.int32(0), x_train, y_train, *order)
+    traced = step_fn.trace(run.state, np.int32(0), x_train, y_train, *order)
+    lowered = traced.lower()
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
     text = compiled.as_text()
     analysis, compiled_analysis = cost(lowered), cost(compiled)
-    step_matmul_flops = matmul_flops(jax.make_jaxpr(functools.partial(
-        train.train_step_at, **step_kwargs))(run.state, np.int32(0), x_train, y_train, *order))
+    step_matmul_flops = matmul_flops(traced.jaxpr)  # the program just lowered, traced once
 
     # Time the loop training would use: a lax.scan chunk, or one call per step.
     loop = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))

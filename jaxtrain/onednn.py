@@ -216,6 +216,7 @@ def call_flops(target_name: str, operand_shapes, result_shapes) -> int | None:
                       "kernel_grad": (operand_shapes[1], result_shapes[0])}[kind]
     return 2 * math.prod(output) * math.prod(kernel) // kernel[-1]
 
+
 NHWC = ("NHWC", "HWIO", "NHWC")
 
 
