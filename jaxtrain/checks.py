@@ -9,8 +9,8 @@ import difflib
 import jax.numpy as jnp
 import ml_collections
 
-from jaxtrain import (augment, data, defaults, input, models, onednn, optim, pooling, replicas,
-                      user_model)
+from jaxtrain import (augment, batchnorm, data, defaults, input, models, onednn, optim, pooling,
+                      replicas, user_model, xla_flags)
 from jaxtrain.errors import ConfigError
 
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -179,6 +179,7 @@ RANGES = {
     "model.remat": (lambda v: isinstance(v, bool), "True or False"),
     "model.pool_impl": (_one_of(*pooling.POOL_IMPLS), "one of " + ", ".join(pooling.POOL_IMPLS)),
     "model.conv_impl": (_one_of(*onednn.CONV_IMPLS), "one of " + ", ".join(onednn.CONV_IMPLS)),
+    "model.bn_impl": (_one_of(*batchnorm.BN_IMPLS), "one of " + ", ".join(batchnorm.BN_IMPLS)),
     "optimizer.name": (_one_of(*optim.OPTIMIZERS), "one of " + ", ".join(optim.OPTIMIZERS)),
     "optimizer.learning_rate": (_above(0), "> 0"),
     "optimizer.momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
@@ -189,6 +190,10 @@ RANGES = {
     "optimizer.ns_steps": (_at_least(1, True), "an int >= 1"),
     "optimizer.ns_coeffs": (lambda v: isinstance(v, tuple) and len(v) == 3
                             and all(_number(x) for x in v), "three numbers (a, b, c)"),
+    "optimizer.ns_stack": (lambda v: isinstance(v, bool), "True (one batched Newton-Schulz per "
+                                                          "kernel shape) or False"),
+    "optimizer.flatten": (lambda v: isinstance(v, bool), "True (elementwise optimisers on one "
+                                                         "concatenated vector) or False"),
     "optimizer.lookahead_steps": (_at_least(0, True), "an int >= 0 (0: off)"),
     "optimizer.lookahead_alpha": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
     "optimizer.schedule": (_one_of(*optim.SCHEDULES), "one of " + ", ".join(optim.SCHEDULES)),
@@ -214,12 +219,14 @@ RANGES = {
     "train.label_smoothing": (_within(0, 1, open_high=True), "in [0, 1)"),
     "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: about 50 rows a run)"),
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
+    "train.drop_finished_groups": (lambda v: isinstance(v, bool), "True or False"),
     "train.chunk_steps": (_at_least(0, True), "an int >= 0 (0: an epoch)"),
     "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
     "train.ema_decay": (lambda v: v is None or (_number(v) and 0 <= v < 1),
                         "None (off) or in [0, 1), e.g. 0.999"),
     "train.replicas": (_at_least(1, True), "an int >= 1"),
     "train.compilation_cache": (lambda v: isinstance(v, str), "a folder, or '' (off)"),
+    "train.xla_flags": (xla_flags.well_formed, "'' or XLA flags, '--xla_NAME=VALUE ...'"),
     "checkpoint.every_steps": (_at_least(0, True), "an int >= 0 (0: checkpoint.every_epochs)"),
     "checkpoint.every_epochs": (_at_least(0, True), "an int >= 0 (0: only at the end)"),
     "checkpoint.keep": (_at_least(1, True), "an int >= 1"),
@@ -312,6 +319,9 @@ def check_config(config) -> None:
     need(not model.remat or model.name in models.REMAT_MODELS, "model.remat", model.remat,
          f"applies to {', '.join(models.REMAT_MODELS)} (a model of your own can use "
          "flax.linen.remat on its blocks)")
+    need(model.bn_impl == "flax" or model.name in models.BN_MODELS, "model.bn_impl",
+         model.bn_impl, f"applies to {', '.join(models.BN_MODELS)} (a model of your own "
+         "can use jaxtrain.batchnorm.BatchNorm)")
     accumulate = config.train.accumulate_steps
     need(config.train.batch_size % accumulate == 0, "train.accumulate_steps", accumulate,
          f"must divide train.batch_size={config.train.batch_size} (each micro-batch is "
@@ -359,7 +369,9 @@ def moved_data_dir(saved: dict, config) -> str | None:
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
-                     "train.compilation_cache", "callbacks.", "logging.",
+                     "train.drop_finished_groups",
+                     "train.compilation_cache", "train.xla_flags", "callbacks.",
+                     "logging.",
                      "checkpoint.", "eval.", "data.placement", "data.device_fraction",
                      "data.workers", "model.remat", "model.pool_impl", "model.conv_impl",
                      "parallel.")

@@ -60,6 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.conv_impl = "auto"  # built-in models' 2-D convolutions: 'xla' (lax's) | 'onednn' (float32 ones through
                                      # oneDNN, PyTorch's CPU library: 2x faster on a CPU; needs the `cpu` extra and g++)
                                      # | 'auto' (onednn on a single CPU device where it builds, xla elsewhere)
+    config.model.bn_impl = "flax"    # seed_cnn, cifar_cnn, mlp, resnet*: 'flax' (nn.BatchNorm) | 'lean' (the same forward numbers; its
+                                     # backward pass keeps the input in the compute dtype, not two float32 copies of it;
+                                     # gradients within bfloat16 rounding of Flax's)
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only)
@@ -73,6 +76,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.ns_steps = 5    # muon: Newton-Schulz iterations
     config.optimizer.ns_coeffs = (3.4445, -4.7750, 2.0315)  # muon: the quintic iteration's (a, b, c)
     config.optimizer.renormalize = False  # after each step, scale each kernel to norm sqrt(output channels)
+    config.optimizer.ns_stack = False  # muon: stack same-shape kernels, one batched Newton-Schulz per shape (fewer,
+                                     # larger matrix products; same updates within float rounding; opt_state stacked)
+    config.optimizer.flatten = False  # top level only: sgd/adam/adamw groups (and lookahead) update one concatenated
+                                      # vector (optax.flatten), groups of one optimiser the same one: fewer kernels, the
+                                      # same steps bit for bit; opt_state flat
     config.optimizer.lookahead_steps = 0  # > 0: Lookahead, every this many steps pull the weights
     config.optimizer.lookahead_alpha = 0.5  # toward (and reset them to) a slow copy, by this fraction
     config.optimizer.schedule = "constant"  # 'constant' | 'linear' | 'onecycle' | 'warmup_cosine'
@@ -113,6 +121,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.chunk_steps = 0     # > 0: a chunk (one program call) ends at every multiple of this many steps, where a multi-process run can stop for a signal; 0 = epochs
     config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the
                                      # CPU for models with XLA's convolutions (model.conv_impl='xla', users' models)
+    config.train.drop_finished_groups = False  # True: from each optimizer group's train_steps on, the chunks are
+                                     # programs that compute no gradient for its parameters (its rate is 0 there
+                                     # anyway): the same parameters, less work; False: every step computes them all
 
     config.train.replicas = 1        # > 1: this many runs trained together in one program (jax.vmap),
                                      # seeds seed, seed+1, ...; crossed with `sweep` below
@@ -121,6 +132,9 @@ def get_config() -> ml_collections.ConfigDict:
                                      # evaluated beside them (test_accuracy_ema); None = off
     config.train.nonfinite = "stop"  # a non-finite loss: 'stop' (keep the last checkpoint) | 'skip' the step
     config.train.compilation_cache = "~/.cache/jaxtrain/xla"  # JAX's persistent compilation cache; '' = off
+    config.train.xla_flags = ""      # XLA's own flags for this run's compilations, e.g. '--xla_gpu_autotune_level=2':
+                                     # added to XLA_FLAGS before JAX starts (main.py, bench, compare; jaxtrain/xla_flags.py);
+                                     # '' = XLA_FLAGS as the environment has it
 
     config.parallel = ml_collections.ConfigDict()
     config.parallel.fsdp = 1         # > 1: parameters, optimiser state and EMA split over this many devices (an 'fsdp'
