@@ -21,8 +21,11 @@ SCHEDULES = ("constant", "linear", "onecycle", "warmup_cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
 GROUP_ONLY_KEYS = ("params", "lr_scale", "train_steps", "freeze")
 # The schedule's shape is shared by all groups; a group scales it with lr_scale.
+# So is `flatten`, a choice of how the whole update is computed.
 SHARED_KEYS = ("groups", "learning_rate", "schedule", "warmup_fraction", "start_lr_fraction",
-               "end_lr_fraction", "lookahead_steps", "lookahead_alpha")
+               "end_lr_fraction", "lookahead_steps", "lookahead_alpha", "flatten")
+# What optax.flatten may run on one concatenated vector: elementwise in every parameter.
+ELEMENTWISE = ("sgd", "adam", "adamw")
 RESERVED_LABELS = ("default", "frozen")
 
 
@@ -77,12 +80,9 @@ def group_settings(opt, name: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(settings)
 
 
-def param_labels(opt, params, frozen: tuple = ()):
-    """Each parameter's group name: 'frozen', a group of optimizer.groups, or 'default'.
-
-    Fails with a ConfigError naming them when a group matches no parameter or a
-    parameter matches two groups; the message lists the parameter paths.
-    """
+def path_labeler(opt, frozen: tuple = ()):
+    """key -> the group name of the parameter with '/'-joined path `key`: 'frozen', a
+    group of optimizer.groups, or 'default'; a ConfigError for a key in two groups."""
     patterns = {}
     for name in opt.groups.keys():
         if name in RESERVED_LABELS:
@@ -94,24 +94,30 @@ def param_labels(opt, params, frozen: tuple = ()):
             raise ConfigError(f"config.optimizer.groups.{name}.params="
                               f"{opt.groups[name].params!r} is not a regular expression: "
                               f"{error}") from None
-    matched = {name: [] for name in patterns}
 
-    def label(path, _):
-        key = param_path(path)
+    def label(key: str) -> str:
         if key in frozen:
             return "frozen"
         names = [name for name, pattern in patterns.items() if pattern.fullmatch(key)]
         if len(names) > 1:
             raise ConfigError(f"parameter {key} is in two optimizer groups: "
                               + " and ".join(names))
-        for name in names:
-            matched[name].append(key)
         return names[0] if names else "default"
+    return label
 
-    labels = jax.tree_util.tree_map_with_path(label, params)
+
+def param_labels(opt, params, frozen: tuple = ()):
+    """Each parameter's group name: 'frozen', a group of optimizer.groups, or 'default'.
+
+    Fails with a ConfigError naming them when a group matches no parameter or a
+    parameter matches two groups; the message lists the parameter paths.
+    """
+    label = path_labeler(opt, frozen)
+    labels = jax.tree_util.tree_map_with_path(lambda path, _: label(param_path(path)), params)
     paths = [param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    for name, keys in matched.items():
-        if not keys:
+    used = set(jax.tree.leaves(labels))
+    for name in opt.groups.keys():
+        if name not in used:
             raise ConfigError(f"config.optimizer.groups.{name}.params={opt.groups[name].params!r} "
                               "matches no parameter (trainable: "
                               + ", ".join(p for p in paths if p not in frozen) + ")")
@@ -163,7 +169,64 @@ def kernel_dimension_numbers(params):
                         params)
 
 
-def renormalize() -> optax.GradientTransformation:
+def stacked_kernel_dimension_numbers(stacks):
+    """kernel_dimension_numbers of stacks of kernels (stack_by_shape): the leading axis
+    is neither reduced nor the output, so optax's Muon treats it as a batch axis and
+    orthogonalises every kernel of a stack on its own, in one batched iteration."""
+    return jax.tree.map(lambda p: MuonDimensionNumbers(tuple(range(1, p.ndim - 1)), p.ndim - 1),
+                        stacks)
+
+
+def _stack_name(leaf) -> str:
+    return f"{jnp.dtype(leaf.dtype).name}_{'x'.join(str(n) for n in leaf.shape)}"
+
+
+def stack_by_shape(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` on stacks of same-shape tensors, {'float32_3x3x256x256': (N, 3, 3, 256, 256)},
+    its state kept stacked, its updates unstacked back into the parameter tree.
+
+    A transformation that maps each tensor on its own (Muon's Newton-Schulz with the
+    stack axis as a batch axis, a renormalisation per stacked tensor) then runs one
+    batched kernel per shape where it ran one per tensor: the speedrun's six filters
+    are four shapes. Each stack holds its tensors in the order of the tree's leaves.
+    """
+    def plan(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        stacks = {}
+        for index, leaf in enumerate(leaves):
+            stacks.setdefault(_stack_name(leaf), []).append(index)
+        return leaves, treedef, stacks
+
+    def stack(tree):
+        leaves, _, stacks = plan(tree)
+        return {name: jnp.stack([leaves[i] for i in indices]) for name, indices in stacks.items()}
+
+    def update_fn(updates, state, params=None):
+        leaves, treedef, stacks = plan(updates)
+        stacked, state = inner.update(stack(updates), state,
+                                      None if params is None else stack(params))
+        for name, indices in stacks.items():
+            for position, index in enumerate(indices):
+                leaves[index] = stacked[name][position]
+        return treedef.unflatten(leaves), state
+    return optax.GradientTransformation(lambda params: inner.init(stack(params)), update_fn)
+
+
+def flatten(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """optax.flatten(inner): `inner` on one vector, every parameter's values concatenated,
+    so an elementwise optimiser runs a few large kernels instead of a few per tensor. A
+    group that gets no parameter (the default, often) keeps `inner` as it is: optax's
+    would concatenate nothing."""
+    flat = optax.flatten(inner)
+
+    def pick(tree):
+        return flat if jax.tree.leaves(tree) else inner
+    return optax.GradientTransformation(
+        lambda params: pick(params).init(params),
+        lambda updates, state, params=None: pick(updates).update(updates, state, params))
+
+
+def renormalize(stacked: bool = False) -> optax.GradientTransformation:
     """After the step, scales each tensor to Frobenius norm sqrt(its last dimension).
 
     For a conv kernel that is sqrt(output channels), as the airbench94_muon record
@@ -171,12 +234,19 @@ def renormalize() -> optax.GradientTransformation:
     the weights the model uses are always normalised). Scale-invariant layers
     (conv then BatchNorm) keep their function; the norm no longer drifts, so the
     learning rate keeps its meaning over the run.
+    With `stacked`, each leaf is a stack of tensors (stack_by_shape) and each tensor
+    of the stack is scaled to its own norm.
     """
+    def norm(new):
+        if not stacked:
+            return jnp.linalg.norm(new)
+        return jnp.sqrt(jnp.sum(jnp.square(new), axis=tuple(range(1, new.ndim)), keepdims=True))
+
     def update_fn(updates, state, params):
         def one(u, p):
             new = p + u
             target = math.sqrt(p.shape[-1])
-            return new * (target / jnp.maximum(jnp.linalg.norm(new), 1e-12)) - p
+            return new * (target / jnp.maximum(norm(new), 1e-12)) - p
         return jax.tree.map(one, updates, params), state
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -218,20 +288,22 @@ def group_schedule(settings, schedule: optax.Schedule) -> optax.Schedule:
     return lambda step: scale * schedule(step)
 
 
-def _optimizer(opt, schedule):
+def _optimizer(opt, schedule, stacked: bool = False, weight_decay=None):
+    """`weight_decay`: instead of opt.weight_decay (elementwise_groups' per-element one)."""
+    weight_decay = opt.weight_decay if weight_decay is None else weight_decay
     if opt.name == "sgd":
         # 0 means plain SGD; a swept (traced, replicas.py) momentum always keeps a trace
         momentum = opt.momentum
         if isinstance(momentum, (int, float)) and not momentum:
             momentum = None
-        return optax.chain(optax.add_decayed_weights(opt.weight_decay),
+        return optax.chain(optax.add_decayed_weights(weight_decay),
                            optax.sgd(schedule, momentum=momentum, nesterov=opt.nesterov))
     if opt.name == "adam":
-        return optax.chain(optax.add_decayed_weights(opt.weight_decay),
+        return optax.chain(optax.add_decayed_weights(weight_decay),
                            optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps))
     if opt.name == "adamw":
         return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                           weight_decay=opt.weight_decay)
+                           weight_decay=weight_decay)
     if opt.name == "muon":
         # optax's momentum is an average, mu = b mu + (1 - b) g with bias correction,
         # where torch-style Muon sums, buf = m buf + g; the Newton-Schulz step
@@ -239,8 +311,9 @@ def _optimizer(opt, schedule):
         # correction has faded (a few steps). Its weight decay is decoupled (x lr).
         return optax.contrib.muon(
             schedule, ns_coeffs=tuple(float(c) for c in opt.ns_coeffs), ns_steps=opt.ns_steps,
-            beta=opt.momentum, weight_decay=opt.weight_decay, nesterov=opt.nesterov,
-            muon_weight_dimension_numbers=kernel_dimension_numbers)
+            beta=opt.momentum, weight_decay=weight_decay, nesterov=opt.nesterov,
+            muon_weight_dimension_numbers=(stacked_kernel_dimension_numbers if stacked
+                                           else kernel_dimension_numbers))
     raise ValueError(f"unknown optimizer.name {opt.name!r}; choose one of: " + ", ".join(OPTIMIZERS))
 
 
@@ -256,8 +329,81 @@ def keep_unchanged() -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def _with_renormalize(settings, tx):
-    return optax.chain(tx, renormalize()) if settings.get("renormalize", False) else tx
+def group_optimizer(settings, schedule) -> optax.GradientTransformation:
+    """One group's (or the default's) optimiser with its renormalisation.
+
+    ns_stack (Muon): the whole group, renormalisation included, runs on stacks of
+    same-shape kernels (stack_by_shape). flatten (elementwise optimisers): the
+    optimiser runs on one vector, all the group's parameters concatenated
+    (optax.flatten); the renormalisation, per tensor, stays outside it.
+    """
+    stacked = settings.name == "muon" and settings.get("ns_stack", False)
+    tx = _optimizer(settings, schedule, stacked)
+    if settings.get("flatten", False) and settings.name in ELEMENTWISE:
+        tx = flatten(tx)
+    if settings.get("renormalize", False):
+        tx = optax.chain(tx, renormalize(stacked))
+    return stack_by_shape(tx) if stacked else tx
+
+
+# What elementwise_groups may share: the optimiser and its moment settings; the learning
+# rate and the weight decay may differ per element.
+SHARED_MOMENTS = {"sgd": ("momentum", "nesterov"), "adam": ("b1", "b2", "eps"),
+                  "adamw": ("b1", "b2", "eps")}
+
+
+def _same(a, b) -> bool:
+    """Equal settings; a swept one (a tracer under optax.inject_hyperparams) equals only itself."""
+    plain = (bool, int, float, str)
+    return a is b or (isinstance(a, plain) and isinstance(b, plain) and a == b)
+
+
+def mergeable_groups(members: dict) -> list[list[str]]:
+    """The sets of two or more groups that elementwise_groups can update as one vector:
+    the same elementwise optimiser and moment settings, no renormalisation.
+    `members`: {group name: (settings, schedule)} of the groups that are stepped."""
+    sets = []
+    for name, (settings, _) in members.items():
+        if settings.name not in ELEMENTWISE or settings.get("renormalize", False):
+            continue
+        for names in sets:
+            first = members[names[0]][0]
+            if first.name == settings.name and all(
+                    _same(first[key], settings[key]) for key in SHARED_MOMENTS[settings.name]):
+                names.append(name)
+                break
+        else:
+            sets.append([name])
+    return [names for names in sets if len(names) > 1]
+
+
+def elementwise_groups(members: dict, label) -> optax.GradientTransformation:
+    """Several groups of one elementwise optimiser as one optax.flatten'ed update: each
+    element gets its group's learning rate and weight decay, so every element takes the
+    step its own group would (the same float operations), with one schedule count and
+    one kernel per update stage for all of them.
+
+    `members`: {group name: (settings, schedule)} (mergeable_groups); `label`: a
+    parameter's group from its '/'-joined path (path_labeler).
+    """
+    first = next(iter(members.values()))[0]
+
+    def build(tree):
+        paths = jax.tree_util.tree_leaves_with_path(tree)
+        if not paths:
+            return _optimizer(first, next(iter(members.values()))[1])
+        owners = [label(param_path(path)) for path, _ in paths]
+        sizes = [math.prod(leaf.shape) for _, leaf in paths]
+
+        def per_element(value):
+            return jnp.concatenate([jnp.full((size,), value(owner), jnp.float32)
+                                    for owner, size in zip(owners, sizes)])
+        schedule = lambda count: per_element(lambda owner: members[owner][1](count))
+        weight_decay = per_element(lambda owner: members[owner][0].weight_decay)
+        return optax.flatten(_optimizer(first, schedule, weight_decay=weight_decay))
+    return optax.GradientTransformation(
+        lambda params: build(params).init(params),
+        lambda updates, state, params=None: build(updates).update(updates, state, params))
 
 
 def create_optimizer(opt, schedule: optax.Schedule,
@@ -269,18 +415,37 @@ def create_optimizer(opt, schedule: optax.Schedule,
     learning rate (as torch.optim.AdamW does). Parameters whose '/'-joined path
     is in `frozen`, or in a group with freeze=True, are never updated (no step, no
     decay, no optimiser state). Parameters of no group use the top-level settings.
+    With optimizer.flatten, the groups of one elementwise optimiser that differ only in
+    learning rate and weight decay are updated together (elementwise_groups), under
+    the first one's name in the optimiser state.
     """
     groups = list(opt.groups.keys()) if "groups" in opt else []
-    default = _with_renormalize(opt, _optimizer(opt, schedule))
+    flat = opt.get("flatten", False)
     if not groups and not frozen:
-        tx = default
+        tx = group_optimizer(opt, schedule)
     else:
-        transforms = {"default": default, "frozen": keep_unchanged()}
+        stepped = {"default": (opt, schedule)}
+        transforms = {"default": group_optimizer(opt, schedule), "frozen": keep_unchanged()}
         for name in groups:
             settings = group_settings(opt, name)
-            transforms[name] = keep_unchanged() if settings.freeze else _with_renormalize(
-                settings, _optimizer(settings, group_schedule(settings, schedule)))
-        tx = optax.partition(transforms, lambda params: param_labels(opt, params, frozen))
+            if settings.freeze:
+                transforms[name] = keep_unchanged()
+                continue
+            stepped[name] = (settings, group_schedule(settings, schedule))
+            transforms[name] = group_optimizer(*stepped[name])
+        merged = {}  # group -> the merged set's label, its first group's name
+        for names in mergeable_groups(stepped) if flat else []:
+            for name in names:
+                merged[name] = names[0]
+                del transforms[name]
+            transforms[names[0]] = elementwise_groups({n: stepped[n] for n in names},
+                                                      path_labeler(opt, frozen))
+
+        def labels(params):
+            return jax.tree.map(lambda name: merged.get(name, name),
+                                param_labels(opt, params, frozen))
+        tx = optax.partition(transforms, labels)
     if opt.get("lookahead_steps", 0) > 0:
-        tx = optax.chain(tx, lookahead(opt.lookahead_steps, opt.lookahead_alpha))
+        slow = lookahead(opt.lookahead_steps, opt.lookahead_alpha)
+        tx = optax.chain(tx, flatten(slow) if flat else slow)
     return tx
