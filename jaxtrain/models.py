@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import onednn, pooling, user_model, vit
+from jaxtrain import batchnorm, onednn, pooling, user_model, vit
 
 Dtype = Any
 
@@ -46,10 +46,12 @@ class SeedCNN(nn.Module):
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
     pool_impl: str = "xla"  # how max-pooling is computed (jaxtrain/pooling.py)
     conv_impl: str = "xla"  # how convolutions are computed (jaxtrain/onednn.py)
+    bn_impl: str = "flax"  # which BatchNorm (jaxtrain/batchnorm.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         train = train and not self.freeze_batch_stats  # BatchNorm is its only train-mode layer
+        batch_norm = batchnorm.module(self.bn_impl)
         x = x.astype(self.dtype)
         in_channels = x.shape[-1]
         for features, fan_in in ((6, 25 * in_channels), (16, 25 * 6)):
@@ -58,8 +60,8 @@ class SeedCNN(nn.Module):
                         kernel_init=torch_default_kernel_init(),
                         bias_init=torch_default_bias_init(fan_in))(x)
             if self.batch_norm:
-                x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                                 dtype=self.dtype)(x)
+                x = batch_norm(use_running_average=not train, momentum=0.9,
+                               dtype=self.dtype)(x)
             x = pooling.max_pool_2x2(nn.relu(x), self.pool_impl)
         x = x.reshape((x.shape[0], -1))
         for features in (120, 84, self.num_classes):
@@ -69,8 +71,8 @@ class SeedCNN(nn.Module):
             x = dense(x)
             if features != self.num_classes:
                 if self.batch_norm:
-                    x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                                     dtype=self.dtype)(x)
+                    x = batch_norm(use_running_average=not train, momentum=0.9,
+                                   dtype=self.dtype)(x)
                 x = nn.relu(x)
         return x.astype(jnp.float32)
 
@@ -139,6 +141,7 @@ class ConvBlock(nn.Module):
     bn_epsilon: float = 1e-5
     pool_impl: str = "xla"
     conv_impl: str = "xla"
+    bn_impl: str = "flax"
 
     @nn.compact
     def __call__(self, x, train: bool):
@@ -147,8 +150,9 @@ class ConvBlock(nn.Module):
         def bn(y):
             # No learned scale: with a following conv it is redundant, and it
             # saves a multiply per activation.
-            return nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum,
-                                epsilon=self.bn_epsilon, use_scale=False, dtype=self.dtype)(y)
+            return batchnorm.module(self.bn_impl)(
+                use_running_average=not train, momentum=self.bn_momentum,
+                epsilon=self.bn_epsilon, use_scale=False, dtype=self.dtype)(y)
 
         def conv(y):
             return nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False,
@@ -186,6 +190,7 @@ class CifarCNN(nn.Module):
     remat: bool = False  # recompute each block's activations in the backward pass
     pool_impl: str = "xla"  # how max-pooling is computed (jaxtrain/pooling.py)
     conv_impl: str = "xla"  # how convolutions are computed (jaxtrain/onednn.py)
+    bn_impl: str = "flax"  # which BatchNorm (jaxtrain/batchnorm.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -199,7 +204,7 @@ class CifarCNN(nn.Module):
             x = block(width, self.bn_momentum, self.dtype, activation=self.activation,
                       conv_init=self.conv_init, bn_epsilon=self.bn_epsilon,
                       pool_impl=self.pool_impl, conv_impl=self.conv_impl,
-                      name=f"ConvBlock_{i}")(x, train)
+                      bn_impl=self.bn_impl, name=f"ConvBlock_{i}")(x, train)
         x = jnp.max(x, axis=(1, 2))
         head_init = (nn.initializers.normal(self.head_init_std) if self.head_init_std > 0
                      else nn.linear.default_kernel_init)
@@ -217,6 +222,7 @@ class MLP(nn.Module):
     dropout: float = 0.0
     dtype: Dtype = jnp.float32
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
+    bn_impl: str = "flax"  # which BatchNorm (jaxtrain/batchnorm.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -225,9 +231,9 @@ class MLP(nn.Module):
             x = nn.Dense(features, dtype=self.dtype)(x)
             if self.batch_norm:
                 # momentum 0.9 here is PyTorch's BatchNorm1d default (its momentum=0.1)
-                x = nn.BatchNorm(use_running_average=not train or self.freeze_batch_stats,
-                                 momentum=0.9,
-                                 dtype=self.dtype)(x)
+                x = batchnorm.module(self.bn_impl)(
+                    use_running_average=not train or self.freeze_batch_stats, momentum=0.9,
+                    dtype=self.dtype)(x)
             x = nn.relu(x)
             if self.dropout > 0:
                 x = nn.Dropout(self.dropout, deterministic=not train)(x)
@@ -268,13 +274,14 @@ def resnet_conv(features: int, size: int, strides: int, dtype: Dtype,
                    conv_general_dilated=onednn.conv_function(conv_impl))
 
 
-def resnet_norm(train: bool, dtype: Dtype, zero_scale: bool = False) -> nn.BatchNorm:
+def resnet_norm(train: bool, dtype: Dtype, zero_scale: bool = False,
+                bn_impl: str = "flax") -> nn.Module:
     """BatchNorm as torchvision's defaults (Flax momentum 0.9 = torch momentum 0.1,
     epsilon 1e-5); zero_scale starts a residual branch's last BN at scale 0, so each
     block starts as its shortcut (the Flax ImageNet example's choice)."""
     scale_init = nn.initializers.zeros_init() if zero_scale else nn.initializers.ones_init()
-    return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                        scale_init=scale_init, dtype=dtype)
+    return batchnorm.module(bn_impl)(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                                     scale_init=scale_init, dtype=dtype)
 
 
 class ResNetBlock(nn.Module):
@@ -284,15 +291,17 @@ class ResNetBlock(nn.Module):
     strides: int = 1
     dtype: Dtype = jnp.float32
     conv_impl: str = "xla"
+    bn_impl: str = "flax"
     expansion = 1  # output channels / filters
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         y = resnet_conv(self.filters, 3, self.strides, self.dtype, self.conv_impl)(x)
-        y = nn.relu(resnet_norm(train, self.dtype)(y))
+        y = nn.relu(resnet_norm(train, self.dtype, bn_impl=self.bn_impl)(y))
         y = resnet_conv(self.filters, 3, 1, self.dtype, self.conv_impl)(y)
-        y = resnet_norm(train, self.dtype, zero_scale=True)(y)
-        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype, self.conv_impl) + y)
+        y = resnet_norm(train, self.dtype, zero_scale=True, bn_impl=self.bn_impl)(y)
+        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype, self.conv_impl,
+                                       self.bn_impl) + y)
 
 
 class BottleneckResNetBlock(nn.Module):
@@ -303,28 +312,31 @@ class BottleneckResNetBlock(nn.Module):
     strides: int = 1
     dtype: Dtype = jnp.float32
     conv_impl: str = "xla"
+    bn_impl: str = "flax"
     expansion = 4
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         y = resnet_conv(self.filters, 1, 1, self.dtype, self.conv_impl)(x)
-        y = nn.relu(resnet_norm(train, self.dtype)(y))
+        y = nn.relu(resnet_norm(train, self.dtype, bn_impl=self.bn_impl)(y))
         y = resnet_conv(self.filters, 3, self.strides, self.dtype, self.conv_impl)(y)
-        y = nn.relu(resnet_norm(train, self.dtype)(y))
+        y = nn.relu(resnet_norm(train, self.dtype, bn_impl=self.bn_impl)(y))
         y = resnet_conv(self.filters * self.expansion, 1, 1, self.dtype,
                         self.conv_impl)(y)
-        y = resnet_norm(train, self.dtype, zero_scale=True)(y)
-        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype, self.conv_impl) + y)
+        y = resnet_norm(train, self.dtype, zero_scale=True, bn_impl=self.bn_impl)(y)
+        return nn.relu(resnet_shortcut(x, y, self.strides, train, self.dtype, self.conv_impl,
+                                       self.bn_impl) + y)
 
 
-def resnet_shortcut(x, y, strides: int, train: bool, dtype: Dtype, conv_impl: str = "xla"):
+def resnet_shortcut(x, y, strides: int, train: bool, dtype: Dtype, conv_impl: str = "xla",
+                    bn_impl: str = "flax"):
     """x itself, or where the block changes the shape, a strided 1x1 conv and BN of x.
     Called inside a block's __call__, after the branch, so Flax names the projection
     after the branch's layers (Conv_2 and BatchNorm_2 in ResNetBlock)."""
     if x.shape == y.shape:
         return x
     x = resnet_conv(y.shape[-1], 1, strides, dtype, conv_impl)(x)
-    return resnet_norm(train, dtype)(x)
+    return resnet_norm(train, dtype, bn_impl=bn_impl)(x)
 
 
 class ResNet(nn.Module):
@@ -347,6 +359,7 @@ class ResNet(nn.Module):
     freeze_batch_stats: bool = False  # BatchNorm normalises with its running statistics
     remat: bool = False  # recompute each block's activations in the backward pass
     conv_impl: str = "xla"  # how convolutions are computed (jaxtrain/onednn.py)
+    bn_impl: str = "flax"  # which BatchNorm (jaxtrain/batchnorm.py)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -355,17 +368,18 @@ class ResNet(nn.Module):
         x = x.astype(self.dtype)
         if stem == "imagenet":
             x = resnet_conv(self.width, 7, 2, self.dtype, self.conv_impl)(x)
-            x = nn.relu(resnet_norm(train, self.dtype)(x))
+            x = nn.relu(resnet_norm(train, self.dtype, bn_impl=self.bn_impl)(x))
             x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         else:
             x = resnet_conv(self.width, 3, 1, self.dtype, self.conv_impl)(x)
-            x = nn.relu(resnet_norm(train, self.dtype)(x))
+            x = nn.relu(resnet_norm(train, self.dtype, bn_impl=self.bn_impl)(x))
         block = rematted(self.block_cls, self.remat)
         for i, blocks in enumerate(self.stage_sizes):
             for j in range(blocks):
                 strides = 2 if i > 0 and j == 0 else 1
                 index = sum(self.stage_sizes[:i]) + j
                 x = block(self.width * 2 ** i, strides, self.dtype, conv_impl=self.conv_impl,
+                          bn_impl=self.bn_impl,
                           name=f"{self.block_cls.__name__}_{index}")(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
@@ -394,10 +408,12 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
     # 'auto' settles here, on this backend; configs saved before the option: 'xla'
     pool_impl = pooling.resolve(model_config.get("pool_impl", "xla"))
     conv_impl = onednn.resolve(model_config.get("conv_impl", "xla")) if name != "mlp" else "xla"
+    bn_impl = model_config.get("bn_impl", "flax")  # BN_MODELS only (checks.py)
+    batchnorm.module(bn_impl)  # an unknown name fails here, not at the first init
     if name == "seed_cnn":
         return SeedCNN(num_classes=num_classes, batch_norm=model_config.batch_norm, dtype=dtype,
                        freeze_batch_stats=frozen_statistics, pool_impl=pool_impl,
-                       conv_impl=conv_impl)
+                       conv_impl=conv_impl, bn_impl=bn_impl)
     if name == "cifar_cnn":
         # .get: configs saved before an option existed restore with the old behaviour
         activation = model_config.get("activation", "gelu_tanh")
@@ -415,11 +431,12 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
                         activation=activation, conv_init=conv_init,
                         bn_epsilon=model_config.get("bn_epsilon", 1e-5),
                         head_init_std=head_init_std, freeze_batch_stats=frozen_statistics,
-                        remat=remat, pool_impl=pool_impl, conv_impl=conv_impl)
+                        remat=remat, pool_impl=pool_impl, conv_impl=conv_impl,
+                        bn_impl=bn_impl)
     if name == "mlp":
         return MLP(num_classes=num_classes, hidden_sizes=tuple(model_config.hidden_sizes),
                    batch_norm=model_config.batch_norm, dropout=model_config.dropout, dtype=dtype,
-                   freeze_batch_stats=frozen_statistics)
+                   freeze_batch_stats=frozen_statistics, bn_impl=bn_impl)
     if name in RESNETS:
         stage_sizes, block_cls = RESNETS[name]
         stem = model_config.get("stem", "auto")  # configs saved before model.stem: 'auto'
@@ -427,7 +444,7 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
             else stem
         return ResNet(stage_sizes=stage_sizes, block_cls=block_cls, num_classes=num_classes,
                       stem=stem, dtype=dtype, freeze_batch_stats=frozen_statistics,
-                      remat=remat, conv_impl=conv_impl)
+                      remat=remat, conv_impl=conv_impl, bn_impl=bn_impl)
     if name in vit.VITS:
         dim, depth, heads = vit.VITS[name]
         return vit.ViT(num_classes=num_classes, dim=dim, depth=depth, heads=heads,
@@ -440,6 +457,7 @@ def create_model(model_config, num_classes: int, dtype: Dtype,
 
 MODEL_NAMES = ("seed_cnn", "cifar_cnn", "mlp", *RESNETS, *vit.VITS)  # model.name's built-in choices
 REMAT_MODELS = ("cifar_cnn", *RESNETS, *vit.VITS)  # the models with blocks model.remat recomputes
+BN_MODELS = ("seed_cnn", "cifar_cnn", "mlp", *RESNETS)  # the models whose BatchNorm model.bn_impl picks
 
 STEM_KERNEL = ("Conv_0", "kernel")  # where cifar_cnn keeps its stem's weights
 STEM_INITS = ("default", "whiten")
