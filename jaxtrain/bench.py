@@ -3,13 +3,16 @@
     python -m jaxtrain.bench --config=configs/cifar_speedrun.py --runs=10 [--json=FILE]
         [--devices=N] [--compilation_cache=DIR] [--whole_process]
     python -m jaxtrain.bench --config=configs/cifar.py --inspect [--profile=DIR] [--json=FILE]
+        [--hlo=FILE]
     python -m jaxtrain.bench --config=configs/imagenet_resnet50.py --input-only [--batches=N]
     python -m jaxtrain.bench --config=configs/imagenet_resnet50.py --memory [--json=FILE]
 
 The benchmark times what the public PyTorch speedruns time: from the first
 training step to the final test accuracy, data already on the device,
 compilation excluded. Each run, with its own seed, is one XLA program (init,
-every epoch as a lax.scan of steps, the test-time-augmented evaluation),
+every epoch as a lax.scan of steps, the test-time-augmented evaluation; with
+train.drop_finished_groups the scans are split where a parameter group's
+train_steps end, and the steps after compute no gradient for it),
 compiled once for all runs: the seed is an argument, not a constant.
 
 It runs on one device unless --devices says more: the public records are
@@ -31,7 +34,10 @@ lowered program (before XLA's passes): on a GPU the compiled program's convoluti
 and matrix products are cuDNN/cuBLAS custom calls that XLA's cost analysis counts as
 nothing. The step time is the fastest of several timings of a short chunk (first-run
 costs and noise kept out). --profile=DIR adds a
-jax.profiler trace of those steps and the ten XLA ops that took the most time.
+jax.profiler trace of those steps, the ten XLA ops and the 60 kernels (by name) that
+took the most time; the step's optimised HLO text is written beside it
+(train_step.hlo.txt.gz; --hlo=FILE names another place, --json=FILE.json puts it
+beside that), so a kernel's op can be looked up.
 
 --input-only times the streaming input pipeline alone (data.placement='stream',
 whatever the config says): the config's batches read, decoded, augmented on
@@ -62,6 +68,7 @@ def process_start_time() -> float:
 PROCESS_START = process_start_time()
 
 import functools  # noqa: E402  (after the clock: the imports below are part of the run)
+import gzip  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
@@ -79,6 +86,7 @@ from jaxtrain.errors import ConfigError, TrainingError  # noqa: E402
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets,
 # matched against jax's device_kind; the first match wins.
+TOP_KERNELS = 60  # --inspect --profile: rows of the table by kernel name
 PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0),
                     ("L40S", 362.1), ("L4", 121.0))
 
@@ -156,10 +164,38 @@ def device_resident(run, what: str):
     return run
 
 
-def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: int = 5) -> dict:
+HLO_FILE = "train_step.hlo.txt.gz"  # --inspect --profile=DIR: the step's optimised HLO, in DIR
+
+
+def hlo_path(hlo_flag: str | None, profile_dir: str | None, json_path: str | None):
+    """Where --inspect writes the step's optimised HLO text: --hlo, else in the --profile
+    folder, else beside --json (FILE.json -> FILE.hlo.txt.gz); None: not written."""
+    if hlo_flag:
+        return hlo_flag
+    if profile_dir:
+        return os.path.join(profile_dir, HLO_FILE)
+    if json_path:
+        return os.path.splitext(json_path)[0] + ".hlo.txt.gz"
+    return None
+
+
+def write_hlo(path: str, text: str) -> None:
+    """`text` gzipped into `path` (its folder made), through a temporary file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = path + ".partial"
+    with gzip.open(partial, "wt", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
+def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: int = 5,
+            hlo_file: str | None = None) -> dict:
     """Compiles one train step of `config`, reports its kernels, FLOPs and speed; with
     `profile_dir`, also traces one more chunk of `steps` steps there and lists the XLA ops
-    that took the most time. The step time is the fastest of `repeats` timed chunks."""
+    and the kernels (by name) that took the most time. The step time is the fastest of
+    `repeats` timed chunks. The step's optimised HLO text is written (gzip) to
+    `hlo_file`, else into `profile_dir` (HLO_FILE), so a trace's op names can be looked
+    up in it."""
     mesh = prepare.create_mesh(config)
     prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     run = device_resident(prepare.setup(config, mesh), "--inspect")
@@ -177,6 +213,9 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
     text = compiled.as_text()
+    hlo_file = hlo_path(hlo_file, profile_dir, None)
+    if hlo_file and parallel.is_main_process():
+        write_hlo(hlo_file, text)
     analysis, compiled_analysis = cost(lowered), cost(compiled)
     step_matmul_flops = matmul_flops(traced.jaxpr)  # the program just lowered, traced once
 
@@ -199,6 +238,8 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
             lambda: jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps)),
             profile_dir)
         ops = profile.op_table(path, steps, step_seconds=step_seconds)
+        ops["kernels"] = profile.kernel_table(path, steps, top=TOP_KERNELS,
+                                              step_seconds=step_seconds)
 
     devices = run.mesh.size
     # Per device. XLA's count of the lowered program (elementwise work included) where it
@@ -233,6 +274,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
         "collectives_per_step": {kind: {"ops": count, "bytes": size} for kind, (count, size)
                                  in hlo.collective_traffic(text).items()},
         "profile": ops,
+        "hlo_file": hlo_file,
     }
 
 
@@ -260,42 +302,87 @@ def print_inspection(info: dict, config_name: str, stream=sys.stdout) -> None:
     for kind, traffic in info["collectives_per_step"].items():
         line(f"  {kind + ' per step:':<27}{traffic['ops']} ops, "
              f"{traffic['bytes'] / 1e6:.2f} MB per device")
+    if info.get("hlo_file"):
+        line(f"  optimised HLO of the step: {info['hlo_file']}")
     if info.get("profile"):
         line(f"  profile:                   {os.path.dirname(info['profile']['trace'])}")
         line(profile.format_op_table(info["profile"]))
+        if info["profile"].get("kernels"):
+            line(profile.format_kernel_table(info["profile"]["kernels"]))
 
 
 # ---------------------------------------------------------------- the speedrun
 
 def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, state_sharding,
-              whiten, steps_per_epoch, total_steps, step_kwargs, eval_kwargs):
+              whiten, steps_per_epoch, total_steps, step_kwargs, eval_kwargs, cuts=None,
+              with_weights=False):
     """One run from its seed to its test metrics: the body of the benchmark's one program.
 
     Seeds derive keys exactly as prepare.setup does, and a whitened stem's filters
     come from the same function (`whiten`, prepare.whitening_fn, or None) computed
     here, inside the timed program, as the public speedruns count it; so a run
     here is the run `python main.py` makes with the same config and seed.
+    `cuts` (train.drop_finished_groups: train.finished_groups): the steps from each cut
+    on compute no gradient for the parameters held constant there, as main.py's chunks
+    after it do. `with_weights`: also returns the trained {"params", "batch_stats"}.
     """
     init_key, data_key = jax.random.split(jax.random.key(seed))
     stem_kernel = None if whiten is None else whiten(x_train[:models.WHITENING_IMAGES])
     state = train.create_train_state(init_key, model, tx, image_shape, state_sharding,
                                      stem_kernel)
+    last_epoch = (total_steps - 1) // steps_per_epoch
+    last_losses, nonfinite = [], jnp.zeros((), jnp.int32)  # the last epoch's per-step losses
+    for begin, end, constant in phases(total_steps, cuts or {}):
+        kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
 
-    def epoch(state, index, num_steps):
-        return train.train_epoch_chunk(state, x_train, y_train, data_key, index, 0,
-                                       num_steps=num_steps, **step_kwargs)
+        def chunk(state, epoch, first_step=0, num_steps=steps_per_epoch, kwargs=kwargs):
+            return train.train_epoch_chunk(state, x_train, y_train, data_key, epoch, first_step,
+                                           num_steps=num_steps, **kwargs)
 
-    full_epochs, tail_steps = divmod(total_steps, steps_per_epoch)
-    state, summaries = jax.lax.scan(functools.partial(epoch, num_steps=steps_per_epoch), state,
-                                    jnp.arange(full_epochs))
-    train_loss = summaries["loss"][-1] if full_epochs else jnp.nan
-    nonfinite = jnp.sum(summaries["nonfinite_steps"])
-    if tail_steps:
-        state, tail = epoch(state, full_epochs, tail_steps)
-        train_loss, nonfinite = tail["loss"], nonfinite + tail["nonfinite_steps"]
+        for epoch, first_step, num_steps, epochs in pieces(begin, end, steps_per_epoch):
+            if epochs:  # whole epochs, one lax.scan over them
+                state, summary = jax.lax.scan(chunk, state, epoch + jnp.arange(epochs))
+                losses = summary["per_step"]["loss"][-1]
+                epoch += epochs - 1
+            else:
+                state, summary = chunk(state, epoch, first_step, num_steps)
+                losses = summary["per_step"]["loss"]
+            nonfinite += jnp.sum(summary["nonfinite_steps"]).astype(jnp.int32)
+            if epoch == last_epoch:
+                last_losses.append(losses)
+    losses = jnp.concatenate(last_losses) if last_losses else jnp.full((1,), jnp.nan)
+    finite = jnp.isfinite(losses)  # the mean over finite steps, as train.summarize_chunk's
+    train_loss = jnp.sum(jnp.where(finite, losses, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
     metrics = train.evaluate(state, *eval_arrays, **eval_kwargs)
-    return {"test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
-            "train_loss": train_loss, "nonfinite_steps": nonfinite}
+    result = {"test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
+              "train_loss": train_loss, "nonfinite_steps": nonfinite}
+    if with_weights:
+        return result, {"params": state.params, "batch_stats": state.batch_stats}
+    return result
+
+
+def phases(total_steps: int, cuts: dict) -> list:
+    """[(first step, end step, parameters held constant)]: the run split at the cuts."""
+    bounds = [0, *(cut for cut in sorted(cuts) if 0 < cut < total_steps), total_steps]
+    return [(begin, end, train.constant_at(cuts, begin)) for begin, end in zip(bounds, bounds[1:])]
+
+
+def pieces(begin: int, end: int, steps_per_epoch: int) -> list:
+    """Steps begin .. end - 1 as [(epoch, first step in it, steps, whole epochs)]: the rest
+    of a started epoch, then the whole epochs (one piece, a scan: `whole epochs` > 0, from
+    `epoch`), then the start of the last one."""
+    out, step = [], begin
+    if step % steps_per_epoch and step < end:
+        num_steps = min(steps_per_epoch - step % steps_per_epoch, end - step)
+        out.append((step // steps_per_epoch, step % steps_per_epoch, num_steps, 0))
+        step += num_steps
+    epochs = (end - step) // steps_per_epoch
+    if epochs:
+        out.append((step // steps_per_epoch, 0, steps_per_epoch, epochs))
+        step += epochs * steps_per_epoch
+    if step < end:
+        out.append((step // steps_per_epoch, 0, end - step, 0))
+    return out
 
 
 class UsageError(ValueError):
@@ -331,14 +418,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
     x_train, y_train = prepare.put_train_data(run)
     eval_arrays = prepare.put_eval_data(config, run)
     replicated = parallel.replicated(run.mesh)
-    program = jax.jit(functools.partial(
-        whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
-        state_sharding=replicated,
-        whiten=(prepare.whitening_fn(config, run.mean, run.std)
-                if models.has_whitened_stem(config.model) else None),
-        steps_per_epoch=run.steps_per_epoch,
-        total_steps=run.total_steps, step_kwargs=prepare.step_arguments(config, run),
-        eval_kwargs=prepare.eval_arguments(config, run)), out_shardings=replicated)
+    program = jax.jit(whole_run_fn(config, run), out_shardings=replicated)
     start = time.perf_counter()
     lowered = program.lower(np.int32(0), x_train, y_train, eval_arrays)
     # Tracing and lowering: the part of compile_seconds a compilation cache cannot skip.
@@ -357,6 +437,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
         "process_seconds": time.time() - PROCESS_START,
         "backend": backend, "device_kind": device_kind, "devices": mesh.size,
         "compilation_cache": jax.config.jax_compilation_cache_dir,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # as XLA read them (train.xla_flags added)
         "dataset": run.dataset.origin, "jax_version": jax.__version__,
         "date": time.strftime("%Y-%m-%d"), "finished": False,
     }
@@ -372,7 +453,10 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
         start = time.perf_counter()
         metrics = jax.device_get(program(np.int32(seed), x_train, y_train, eval_arrays))
         seconds = time.perf_counter() - start
+        # process_seconds: the whole process up to this run's accuracy (with --warmup=0,
+        # the first run's is what a user of a cold start waits for)
         result = {"seed": seed, "seconds": seconds,
+                  "process_seconds": time.time() - PROCESS_START,
                   **{k: float(v) for k, v in metrics.items()}}
         results.append(result)
         print(f"run {i + 1}/{runs}  seed {seed}  test_accuracy {result['test_accuracy']:.2%}  "
@@ -394,6 +478,22 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
           f"{summary['seconds_max']:.3f})  compile {compile_seconds:.2f} s  whole process "
           f"{summary['process_seconds']:.1f} s", file=stream, flush=True)
     return summary
+
+
+def whole_run_fn(config, run, **kwargs):
+    """whole_run for `config` and its prepare.setup `run` (on one mesh), to jit; kwargs:
+    whole_run's (with_weights)."""
+    cuts = (train.finished_groups(config.optimizer, run.state.params, run.total_steps,
+                                  models.frozen_params(config.model))
+            if config.train.get("drop_finished_groups", False) else {})
+    return functools.partial(
+        whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
+        state_sharding=parallel.replicated(run.mesh),
+        whiten=(prepare.whitening_fn(config, run.mean, run.std)
+                if models.has_whitened_stem(config.model) else None),
+        steps_per_epoch=run.steps_per_epoch,
+        total_steps=run.total_steps, step_kwargs=prepare.step_arguments(config, run),
+        eval_kwargs=prepare.eval_arguments(config, run), cuts=cuts, **kwargs)
 
 
 def run_statistics(results: list) -> dict:
@@ -521,6 +621,8 @@ def main(argv):
                              "drop --inspect, --input-only, --whole_process and --devices")
         if FLAGS.profile and not FLAGS.inspect:
             raise UsageError("--profile traces the steps --inspect compiles; add --inspect")
+        if FLAGS.hlo and not FLAGS.inspect:
+            raise UsageError("--hlo writes the step --inspect compiles; add --inspect")
         if FLAGS.whole_process:
             if parallel.distributed_settings(*distributed) is not None:
                 raise UsageError("--whole_process runs single-process benchmarks only")
@@ -537,7 +639,8 @@ def main(argv):
             elif input_only_flag:
                 result = input_only(FLAGS.config, FLAGS.batches)
             elif FLAGS.inspect:
-                result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile, FLAGS.repeats)
+                result = inspect(FLAGS.config, FLAGS.steps, FLAGS.profile, FLAGS.repeats,
+                                 hlo_path(FLAGS.hlo, FLAGS.profile, FLAGS.json))
                 if parallel.is_main_process():
                     print_inspection(result, config_flags.get_config_filename(FLAGS["config"]))
             else:
@@ -618,7 +721,11 @@ def define_flags():
     flags.DEFINE_integer("batches", 50, "--input-only: batches to time.", lower_bound=1)
     flags.DEFINE_string("profile", None, "--inspect: also trace one chunk of --steps steps "
                         "with jax.profiler into this folder (TensorBoard, Perfetto) and list "
-                        "the ten XLA ops that took the most time.")
+                        "the ten XLA ops and the 60 kernels (by name) that took the most "
+                        "time.")
+    flags.DEFINE_string("hlo", None, "--inspect: write the train step's optimised HLO text "
+                        "(gzip) here; default: train_step.hlo.txt.gz in the --profile folder, "
+                        "else FILE.hlo.txt.gz beside --json=FILE.json.")
     flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
     flags.DEFINE_string("coordinator_address", None, "Multi-process runs, as in main.py.")
     flags.DEFINE_integer("num_processes", None, "Multi-process runs, as in main.py.")

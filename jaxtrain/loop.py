@@ -239,19 +239,21 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     if profile_steps and traced is None and main_process:
         print_now(f"--profile={profile_steps}: no step left to trace after the warm-up step "
                   f"(the run ends at step {run.total_steps}); nothing traced")
+    cuts = finished_group_cuts(config, run)
     plan = plan_chunks(run.total_steps, run.steps_per_epoch,
                        (save_every, config.eval.every_steps, config.train.chunk_steps), start_step,
-                       breaks=traced or ())
+                       breaks=(*(traced or ()), *cuts))
     stream, train_arrays = start_input(config, run, data_key, manager, meta, start_step)
     clock.lap("load")  # the copy to the devices, or the stream's start
     cache_before = xla_cache.counts()
-    run_chunk = compile_training(config, run, state, data_key, plan, stream, train_arrays)
+    run_chunk = compile_training(config, run, state, data_key, plan, stream, train_arrays, cuts)
     eval_fn = prepare.compile_eval(config, run, state, eval_arrays)
     compile_seconds = clock.lap("compile", f"compiled the {'training and ' if plan else ''}"
                                 "evaluation programs in {seconds:.1f} s"
                                 + cache_note(cache_dir, cache_before))
     if warm_up and not streaming:
-        run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays)
+        run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays,
+                          run.steps_per_epoch, cuts)
         clock.lap("warmup", "ran every compiled program once, untimed, in {seconds:.1f} s")
     if streaming and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
@@ -320,6 +322,7 @@ def summarize(session: Session) -> dict:
         "eval_seconds": eval_seconds,
         "compile_seconds": session.compile_seconds,
         "compilation_cache": session.cache_dir,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # as XLA read them (train.xla_flags added)
         "data_placement": run.placement,
         "input_wait_fraction": (session.wait_seconds / session.chunk_seconds
                                 if session.chunk_seconds else 0.0),
@@ -354,14 +357,21 @@ def summarize(session: Session) -> dict:
                                      "replicated: every replica's batch split over the devices")
     return summary
 
-def run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays) -> None:
+def run_programs_once(config, run_chunk, eval_fn, state, data_key, plan, eval_arrays,
+                      steps_per_epoch: int = 1, cuts=None) -> None:
     """Each compiled chunk (one step of a per-step loop) and the evaluation, run once on a
     copy of `state` (the chunks donate it) with the results dropped: their first-run
-    costs are then paid before the clock starts."""
+    costs are then paid before the clock starts. `cuts` (finished_group_cuts): each
+    phase's programs are run at a chunk of that phase."""
     kind = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))
-    lengths = sorted({length for _, _, length in plan}) if kind == "scan" else [1]
-    for length in lengths if plan else ():
-        jax.block_until_ready(run_chunk(jax.tree.map(jnp.copy, state), data_key, 0, 0, length))
+    programs = {}  # (phase, length) -> the first planned chunk that runs that program
+    for epoch, first_step, length in plan:
+        phase = train.constant_at(cuts or {}, epoch * steps_per_epoch + first_step)
+        length = length if kind == "scan" else 1
+        programs.setdefault((phase, length), (epoch, first_step, length))
+    for epoch, first_step, length in sorted(programs.values()):
+        jax.block_until_ready(run_chunk(jax.tree.map(jnp.copy, state), data_key, epoch,
+                                        first_step, length))
     jax.block_until_ready(eval_fn(state, *eval_arrays))
 
 
@@ -379,20 +389,35 @@ def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start
     return stream, None
 
 
-def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, train_arrays):
+def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, train_arrays,
+                     cuts=None):
     """The training steps compiled ahead of time: run_chunk (train.compile_chunks), or None
-    when no step is left (a resumed finished run compiles evaluation alone)."""
+    when no step is left (a resumed finished run compiles evaluation alone). `cuts`
+    (finished_group_cuts): the chunks after each cut are programs of their own, which
+    compute no gradient for the parameters held constant there (train.phased_chunks)."""
     if not plan:
         return None
     step_kwargs, replicated = prepare.step_arguments(config, run), parallel.replicated(run.mesh)
     out_sharding = (prepare.state_sharding(run), replicated)  # (the state's, the metrics')
-    if stream is not None:
-        return train.compile_stream_chunks(state, stream, data_key, len(run.dataset.x_train),
-                                           step_kwargs, out_sharding)
     kind = train.resolve_loop(config.train.loop, models.xla_convolutions(config.model))
-    return train.compile_chunks(kind, state, *train_arrays, data_key,
-                                {length for _, _, length in plan}, step_kwargs, out_sharding,
-                                replicas=bool(run.runs))
+
+    def compile_phase(constant, lengths):
+        kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
+        if stream is not None:
+            return train.compile_stream_chunks(state, stream, data_key,
+                                               len(run.dataset.x_train), kwargs, out_sharding)
+        return train.compile_chunks(kind, state, *train_arrays, data_key, lengths, kwargs,
+                                    out_sharding, replicas=bool(run.runs))
+    return train.phased_chunks(plan, run.steps_per_epoch, cuts or {}, compile_phase)
+
+
+def finished_group_cuts(config, run: prepare.Setup) -> dict:
+    """train.drop_finished_groups: {step: the parameters held constant from it on}
+    (train.finished_groups); else {} (every step computes every gradient)."""
+    if not config.train.get("drop_finished_groups", False):
+        return {}
+    return train.finished_groups(config.optimizer, run.state.params, run.total_steps,
+                                 models.frozen_params(config.model))
 
 
 def chunk_rows(per_step: dict, previous: int, ends: list, run: prepare.Setup,

@@ -13,6 +13,11 @@ trace with no device plane at all (a CPU run) falls back to the host threads'
 thunk times, which may overlap each other: a GPU run never reports host launch
 times as op times. The table says which source it read. Shares are of the
 summed op time, and of the step's wall time where the caller gives it.
+
+`kernel_table` sums the same trace by kernel name instead: on a GPU every kernel on
+the device plane's stream lines (cuDNN's and cuBLAS's own names, XLA's fusion
+kernels), whichever HLO op launched it, so one library kernel used by many
+convolutions shows as one row; on a CPU the host thunks, by name.
 """
 import collections
 import glob
@@ -115,4 +120,66 @@ def format_op_table(table: dict) -> str:
         lines.append(f"    {row['seconds_per_step'] * 1e3:9.3f} ms  "
                      f"{row['share_of_op_time']:6.1%} of op time{step}  "
                      f"x{row['calls_per_step']:g}  {row['op']}")
+    return "\n".join(lines)
+
+
+def kernel_events(profile) -> tuple[str, list]:
+    """(where the times come from, [(kernel name, the HLO op it names or '', seconds)]):
+    every kernel on the first device plane's stream lines that has any; else (a CPU
+    run, or a device trace without stream lines) op_events' events by their own names."""
+    for plane in profile.planes:
+        if not plane.name.startswith(DEVICE_PLANE_PREFIX):
+            continue
+        events = [(event.name, str(_stats(event).get("hlo_op", "")), event.duration_ns * 1e-9)
+                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX)
+                  for event in line.events]
+        if events:
+            return f"{plane.name} stream kernels", events
+    source, events = op_events(profile)
+    return source, [(kernel, op, seconds) for op, kernel, seconds in events]
+
+
+def kernel_table(xplane_path: str, steps: int, top: int = 60, step_seconds: float | None = None):
+    """The `top` kernels by name, by total time over the traced `steps`: each with its
+    seconds and launches per step, its share of all kernel time (and of the step, given
+    its wall time), how many HLO ops launched it and the one that spent most in it."""
+    profile = jax.profiler.ProfileData.from_file(xplane_path)
+    source, events = kernel_events(profile)
+    seconds, counts = collections.Counter(), collections.Counter()
+    by_op = collections.defaultdict(collections.Counter)
+    for kernel, op, duration in events:
+        seconds[kernel] += duration
+        counts[kernel] += 1
+        by_op[kernel][op] += duration
+    total = sum(seconds.values())
+    kernels = []
+    for kernel, kernel_seconds in seconds.most_common(top):
+        ops = by_op[kernel]
+        row = {"kernel": kernel, "seconds_per_step": kernel_seconds / steps,
+               "calls_per_step": counts[kernel] / steps,
+               "share_of_kernel_time": kernel_seconds / total if total else 0.0,
+               "hlo_ops": len([op for op in ops if op]),
+               "top_hlo_op": ops.most_common(1)[0][0]}
+        if step_seconds:
+            row["share_of_step"] = kernel_seconds / steps / step_seconds
+        kernels.append(row)
+    return {"trace": xplane_path, "source": source, "traced_steps": steps,
+            "distinct_kernels": len(seconds), "kernel_seconds_per_step": total / steps,
+            "step_seconds": step_seconds, "top_kernels": kernels}
+
+
+def format_kernel_table(table: dict, width: int = 100) -> str:
+    """kernel_table as lines; names longer than `width` are cut (the JSON has them whole)."""
+    lines = [f"  top {len(table['top_kernels'])} of {table['distinct_kernels']} kernels by name "
+             f"({table['source']}, {table['traced_steps']} traced steps, "
+             f"{table['kernel_seconds_per_step'] * 1e3:.3f} ms of kernel time per step):"]
+    for row in table["top_kernels"]:
+        step = (f"  {row['share_of_step']:6.1%} of the step" if "share_of_step" in row else "")
+        name = row["kernel"] if len(row["kernel"]) <= width else row["kernel"][:width - 3] + "..."
+        ops = (f"  ({row['top_hlo_op']}" + (f" and {row['hlo_ops'] - 1} more HLO ops" if
+                                            row["hlo_ops"] > 1 else "") + ")"
+               if row["top_hlo_op"] and row["top_hlo_op"] != row["kernel"] else "")
+        lines.append(f"    {row['seconds_per_step'] * 1e3:9.3f} ms  "
+                     f"{row['share_of_kernel_time']:6.1%} of kernel time{step}  "
+                     f"x{row['calls_per_step']:g}  {name}{ops}")
     return "\n".join(lines)

@@ -90,7 +90,8 @@ def hyperparam(state, name: str, default):
 
 def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
                num_classes, label_smoothing, skip_nonfinite=False, ema_decay=None,
-               mix_kwargs=None, freeze_batch_stats=False, accumulate_steps=1):
+               mix_kwargs=None, freeze_batch_stats=False, accumulate_steps=1,
+               constant_params=frozenset()):
     """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
 
     `mirror`: the batch's alternating-flip bits (augment.alternate_flip), else None.
@@ -105,6 +106,8 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     With accumulate_steps K > 1, the (augmented, mixed) batch is cut into K micro-batches
     that go through the model one after another (accumulated_gradients), and one
     optimiser update applies their mean gradient.
+    `constant_params`: '/'-joined paths of parameters whose gradient is not computed
+    (hold_constant); the optimiser still steps them, with a zero gradient.
     """
     augment_key, dropout_key = jax.random.split(key)
     images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
@@ -116,10 +119,10 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
             inputs, targets, jax.random.fold_in(key, augment.MIX_STREAM), **mix_kwargs)
     if accumulate_steps == 1:
         loss, logits, batch_stats, grads = gradients(state, state.batch_stats, inputs, targets,
-                                                     dropout_key)
+                                                     dropout_key, constant_params)
     else:
         loss, logits, batch_stats, grads = accumulated_gradients(
-            state, inputs, targets, dropout_key, accumulate_steps)
+            state, inputs, targets, dropout_key, accumulate_steps, constant_params)
     if freeze_batch_stats:
         batch_stats = state.batch_stats
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
@@ -136,10 +139,11 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     return new_state, {"loss": loss, "accuracy": accuracy}
 
 
-def gradients(state, batch_stats, inputs, targets, dropout_key):
+def gradients(state, batch_stats, inputs, targets, dropout_key, constant_params=frozenset()):
     """Mean cross-entropy of a batch, its logits, the BatchNorm statistics after it and
-    the loss's gradient with respect to state.params."""
+    the loss's gradient with respect to state.params (zero for `constant_params`)."""
     def loss_fn(params):
+        params = hold_constant(params, constant_params)
         logits, updates = state.apply_fn({"params": params, "batch_stats": batch_stats},
                                          inputs, train=True, mutable=["batch_stats"],
                                          rngs={"dropout": dropout_key})
@@ -151,6 +155,47 @@ def gradients(state, batch_stats, inputs, targets, dropout_key):
     return loss, logits, batch_stats, grads
 
 
+def hold_constant(params, paths=frozenset()):
+    """`params` with those at `paths` ('/'-joined) cut out of the gradient
+    (jax.lax.stop_gradient): their gradient is zero, and the backward work that only
+    it needed (for the speedrun's stem bias: the stem's activation gradient and the
+    first block's input gradient) is dead code that XLA drops from the program."""
+    if not paths:
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: jax.lax.stop_gradient(p) if optim.param_path(path) in paths else p,
+        params)
+
+
+def finished_groups(opt, params, total_steps: int, frozen: tuple = ()) -> dict:
+    """{step: the '/'-joined paths of the parameters whose optimizer group stops training
+    there} for every group with 0 < train_steps < total_steps (train.drop_finished_groups).
+
+    optim.group_schedule gives such a group a rate of 0 from its train_steps on, so
+    holding its parameters constant from there (hold_constant) leaves them where the
+    run that keeps computing their gradient leaves them; only the group's optimiser
+    state (a momentum trace the zero rate never applies) differs. `params` may be
+    abstract: only the paths are read."""
+    if "groups" not in opt or not opt.groups:
+        return {}
+    labels = optim.param_labels(opt, params, frozen)
+    paths = [(optim.param_path(path), label) for (path, _), label in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(labels))]
+    cuts = {}
+    for name in opt.groups.keys():
+        settings = optim.group_settings(opt, name)
+        if settings.freeze or not 0 < settings.train_steps < total_steps:
+            continue
+        group = frozenset(path for path, label in paths if label == name)
+        cuts[settings.train_steps] = cuts.get(settings.train_steps, frozenset()) | group
+    return dict(sorted(cuts.items()))
+
+
+def constant_at(cuts: dict, step: int) -> frozenset:
+    """The parameters held constant at global `step`: those of every cut at or before it."""
+    return frozenset().union(*(paths for cut, paths in cuts.items() if cut <= step))
+
+
 def micro_batches(x, k: int):
     """(B, ...) -> (k, B / k, ...): micro-batch i holds rows i, i + k, i + 2k, ... Each
     device's slice of a batch split over devices holds B / devices consecutive rows
@@ -159,7 +204,8 @@ def micro_batches(x, k: int):
     return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
 
-def accumulated_gradients(state, inputs, targets, dropout_key, k: int):
+def accumulated_gradients(state, inputs, targets, dropout_key, k: int,
+                          constant_params=frozenset()):
     """gradients() of k micro-batches, one after another in a lax.scan (so only one
     micro-batch's activations are alive at a time), averaged: the mean loss and gradient
     of the whole batch, up to float rounding. (Unrolled, XLA would be free to run the
@@ -172,7 +218,8 @@ def accumulated_gradients(state, inputs, targets, dropout_key, k: int):
         grad_sum, batch_stats, loss_sum = carry
         inputs, targets, i = batch
         loss, logits, batch_stats, grads = gradients(
-            state, batch_stats, inputs, targets, jax.random.fold_in(dropout_key, i))
+            state, batch_stats, inputs, targets, jax.random.fold_in(dropout_key, i),
+            constant_params)
         return (jax.tree.map(jnp.add, grad_sum, grads), batch_stats, loss_sum + loss), logits
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -568,6 +615,35 @@ def compile_stream_chunks(state, stream, data_key, num_examples: int, step_kwarg
                                         np.int32(step)),
             state, first_step, num_steps, should_stop)
     run_chunk.programs = [step_fn]  # for memory.py's analysis
+    return run_chunk
+
+
+def phased_chunks(plan, steps_per_epoch: int, cuts: dict, compile_phase):
+    """One run_chunk for a plan cut at `cuts` (finished_groups): the chunks of each phase
+    (the same parameters held constant, constant_at) compiled by compile_phase(those
+    paths, {the phase's chunk lengths}) -> run_chunk, and each chunk run by its phase's.
+    Only phases the plan reaches are compiled (a run resumed after a cut compiles the
+    programs after it alone); with one phase, its run_chunk itself."""
+    def phase(epoch, first_step, num_steps=1):
+        step = epoch * steps_per_epoch + first_step
+        constant = constant_at(cuts, step)
+        if constant != constant_at(cuts, step + num_steps - 1):
+            raise ValueError(f"the chunk of steps {step + 1}-{step + num_steps} crosses a cut "
+                             f"of {sorted(cuts)}: plan_chunks' breaks must include the cuts")
+        return constant
+
+    lengths = {}
+    for epoch, first_step, length in plan:
+        lengths.setdefault(phase(epoch, first_step, length), set()).add(length)
+    phases = {constant: compile_phase(constant, chunk_lengths)
+              for constant, chunk_lengths in lengths.items()}
+    if len(phases) == 1:
+        return next(iter(phases.values()))
+
+    def run_chunk(state, data_key, epoch, first_step, num_steps, should_stop=None):
+        return phases[phase(epoch, first_step, num_steps)](state, data_key, epoch, first_step,
+                                                           num_steps, should_stop)
+    run_chunk.programs = [program for one in phases.values() for program in one.programs]
     return run_chunk
 
 

@@ -1,4 +1,5 @@
 """The speedrun benchmark and the inspection report, on small real CIFAR-10 runs."""
+import gzip
 import io
 import json
 import os
@@ -14,7 +15,7 @@ from configs import cifar_seed_cnn
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import bench, onednn, report
+from jaxtrain import bench, hlo, onednn, report
 
 REPO = Path(__file__).resolve().parents[1]
 MLP_OVERRIDES = ("--config=configs/cifar_seed_cnn.py", "--config.model.name=mlp",
@@ -115,11 +116,28 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
     assert all(row["share_of_step"] > 0 for row in table["top_ops"])
     # The MLP's matrix products run as dot ops (or fusions holding them); they must show.
     assert any("dot" in row["op"] or "fusion" in row["op"] for row in table["top_ops"])
+    # The same trace by kernel name (on a CPU: the host thunks' names), costliest first.
+    kernels = table["kernels"]
+    assert kernels["traced_steps"] == 3 and kernels["distinct_kernels"] >= len(
+        kernels["top_kernels"]) > 0 and len(kernels["top_kernels"]) <= bench.TOP_KERNELS
+    per_step = [row["seconds_per_step"] for row in kernels["top_kernels"]]
+    assert per_step == sorted(per_step, reverse=True) and per_step[-1] > 0
+    assert kernels["kernel_seconds_per_step"] == pytest.approx(table["op_seconds_per_step"])
+    assert all(row["calls_per_step"] > 0 and row["hlo_ops"] >= 1 and row["top_hlo_op"]
+               for row in kernels["top_kernels"])
+    # The step's optimised HLO beside the trace: the program whose kernels were counted.
+    assert info["hlo_file"] == str(tmp_path / "profile" / bench.HLO_FILE)
+    with gzip.open(info["hlo_file"], "rt") as f:
+        text = f.read()
+    assert "ENTRY" in text and dict(hlo.kernel_counts(text)) == info["kernels"]
     out = io.StringIO()
     bench.print_inspection(info, "configs/x.py", out)
     assert "XLA kernels per step:" in out.getvalue() and "TFLOP/s" in out.getvalue()
     assert f"top {len(table['top_ops'])} of {table['distinct_ops']} XLA ops" in out.getvalue()
     assert table["top_ops"][0]["op"] in out.getvalue()
+    assert (f"top {len(kernels['top_kernels'])} of {kernels['distinct_kernels']} kernels by "
+            "name") in out.getvalue()
+    assert info["hlo_file"] in out.getvalue()
 
 
 def test_where_xla_counts_no_flops_the_jaxpr_s_matrix_work_is_reported(cifar_batches_dir,
@@ -168,9 +186,31 @@ def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all-reduce per step:" in result.stdout
     info = json.loads(path.read_text())
+    assert info["hlo_file"] == str(tmp_path / "inspect.hlo.txt.gz")  # beside --json
+    with gzip.open(info["hlo_file"], "rt") as f:
+        assert "all-reduce" in f.read()
     assert info["devices"] == 8 and info["param_count"] == 62_006
     gradient_bytes = 4 * info["param_count"]
     assert gradient_bytes <= info["collectives_per_step"]["all-reduce"]["bytes"] < 1.1 * gradient_bytes
+
+
+def test_the_one_program_run_splits_its_epochs_at_the_cuts():
+    """train.drop_finished_groups in bench.whole_run: (epoch, first step, steps, whole
+    epochs) pieces, scanned epochs between partial ones, no piece across a cut."""
+    stem = frozenset({"Conv_0/bias"})
+    assert bench.phases(30, {}) == [(0, 30, frozenset())]
+    assert bench.phases(30, {15: stem, 40: frozenset({"x"})}) == [
+        (0, 15, frozenset()), (15, 30, stem)]
+    assert bench.pieces(0, 30, 10) == [(0, 0, 10, 3)]  # today's program: one scan
+    assert bench.pieces(0, 15, 10) == [(0, 0, 10, 1), (1, 0, 5, 0)]
+    assert bench.pieces(15, 30, 10) == [(1, 5, 5, 0), (2, 0, 10, 1)]
+    assert bench.pieces(75, 200, 25) == [(3, 0, 25, 5)]  # the speedrun's stem bias
+    assert bench.pieces(3, 8, 10) == [(0, 3, 5, 0)]
+    assert bench.pieces(5, 47, 10) == [(0, 5, 5, 0), (1, 0, 10, 3), (4, 0, 7, 0)]
+    for begin, end in ((0, 7), (3, 40), (12, 12), (9, 31)):  # every step once, in order
+        steps = [epoch * 10 + first + i for epoch, first, n, epochs in bench.pieces(begin, end, 10)
+                 for i in range(n * max(epochs, 1))]
+        assert steps == list(range(begin, end))
 
 
 def test_peak_table_and_process_clock():
@@ -300,6 +340,16 @@ def test_a_gpu_trace_is_read_from_the_device_plane_s_xla_ops_line():
                                                    events=[event("memcpy", 100)])])
     source, events = profile.op_events(Obj(planes=[host, unnamed]))
     assert events == [] and source.startswith("/device:GPU:0: no XLA op named")
+    # By kernel name: the stream lines' kernels (memcpy too), whichever op launched them;
+    # a trace without a device plane (a CPU run) gives the host thunks by their names.
+    source, events = profile.kernel_events(Obj(planes=[host, streams]))
+    assert source == "/device:GPU:0 stream kernels"
+    assert sorted((name, op) for name, op, _ in events) == [
+        ("loop_fusion", "fusion.2"), ("memcpy", ""), ("sm90_xmma_dgrad", "convolution.1"),
+        ("sm90_xmma_fprop", "convolution.1")]
+    source, events = profile.kernel_events(Obj(planes=[host]))
+    assert source == "/host:CPU thunks" and [e[:2] for e in events] == [
+        ("convolution.1", "convolution.1")]
 
 
 def test_memory_prints_what_the_step_needs_per_device_before_anything_runs(cifar_batches_dir,

@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import loop, phases, prepare, report
+from jaxtrain import defaults, hlo, loop, models, optim, phases, prepare, report, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,6 +68,60 @@ def test_channel_statistics_equal_numpy_over_the_whole_split():
     mean, std = prepare.channel_stats(dataset, config)
     np.testing.assert_allclose(mean, (images / 255.0).mean(axis=(0, 1, 2)), rtol=1e-9)
     np.testing.assert_allclose(std, (images / 255.0).std(axis=(0, 1, 2)), rtol=1e-9)
+
+
+# ---------------------------------------------------------------- train.drop_finished_groups
+
+def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
+    """Two replicas of a BatchNorm MLP whose first layer trains for 4 of 8 steps: the plan
+    cut at step 4 (train.phased_chunks, as loop.compile_training builds it) computes no
+    gradient for that layer after it, in both loops, and ends with the same weights, to
+    the bit, as the run that computes its gradient on every step and multiplies it by a
+    zero rate."""
+    config = defaults.get_config()
+    config.model.name, config.model.hidden_sizes, config.model.batch_norm = "mlp", (32,), True
+    opt = config.optimizer
+    opt.learning_rate, opt.momentum, opt.schedule = 0.05, 0.9, "linear"
+    opt.groups.first = defaults.param_group(r"Dense_0/.*", lr_scale=2.0, train_steps=4)
+    model = models.create_model(config.model, 10, jnp.float32)
+    tx = optim.create_optimizer(opt, optim.create_schedule(opt, 8))
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment_kwargs=dict(flip=False, translate=0))
+    initial = train.create_train_state(jax.random.split(jax.random.key(0), 2), model, tx,
+                                       (8, 8, 3), replicas=True)
+    keys = jax.random.split(jax.random.key(1), 2)
+    cuts = train.finished_groups(opt, initial.params, total_steps=8)
+    assert cuts == {4: frozenset({"Dense_0/kernel", "Dense_0/bias"})}
+    plan = loop.plan_chunks(8, 4, breaks=tuple(cuts))
+    assert plan == [(0, 0, 4), (1, 0, 4)]
+    for kind in ("scan", "python"):
+        compiled = {}  # the masked run's program is the dropped run's before the cut
+
+        def compile_phase(constant, lengths):
+            if constant not in compiled:
+                kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
+                compiled[constant] = train.compile_chunks(kind, initial, x, y, keys, lengths,
+                                                          kwargs, replicas=True)
+            return compiled[constant]
+
+        weights = {}
+        for name, phase_cuts in (("masked", {}), ("dropped", cuts)):
+            run_chunk = train.phased_chunks(plan, 4, phase_cuts, compile_phase)
+            state = jax.tree.map(jnp.copy, initial)
+            for epoch, first_step, length in plan:
+                state, _ = run_chunk(state, keys, epoch, first_step, length)
+                if epoch == 0:
+                    at_cut = jax.device_get(state.params["Dense_0"])
+            weights[name] = jax.device_get((state.params, state.batch_stats))
+        before, after = [sum(hlo.kernel_counts(p.as_text()).values()) for p in run_chunk.programs]
+        assert after < before, kind  # the first layer's backward is gone after the cut
+        jax.tree.map(np.testing.assert_array_equal, weights["dropped"], weights["masked"])
+        jax.tree.map(np.testing.assert_array_equal, weights["dropped"][0]["Dense_0"], at_cut)
+        assert not np.array_equal(weights["dropped"][0]["Dense_1"]["kernel"],
+                                  jax.device_get(initial.params["Dense_1"]["kernel"]))
 
 
 # ---------------------------------------------------------------- phases
