@@ -29,13 +29,28 @@ def parse_flags(argv):
         remaining = flags.FLAGS(argv)
         if model_kwargs:
             set_model_kwargs(flags.FLAGS.config, model_kwargs)
-        return remaining
     except flags.Error as error:
         usage_error(str(error).splitlines()[0])
     except (AttributeError, KeyError) as error:  # ml_collections: no such key
         usage_error(unknown_override(argv, error))
     except Exception as error:  # the config file itself failed (raised in get_config)
         usage_error(f"--config: {config_path(argv)} failed: {type(error).__name__}: {error}")
+    apply_xla_flags()
+    return remaining
+
+
+def apply_xla_flags() -> None:
+    """The config's train.xla_flags into XLA_FLAGS, now: nothing has started JAX yet, and
+    XLA reads the variable once, when it starts (jaxtrain/xla_flags.py)."""
+    if "config" not in flags.FLAGS or flags.FLAGS.config is None:
+        return
+    from jaxtrain import xla_flags
+    from jaxtrain.errors import ConfigError
+    train = flags.FLAGS.config.get("train") or {}
+    try:
+        xla_flags.apply(train.get("xla_flags", ""))
+    except ConfigError as error:
+        usage_error(str(error))
 
 
 KWARGS_FLAG = "--config.model.kwargs."
