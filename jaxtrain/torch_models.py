@@ -6,7 +6,8 @@ different networks; `load_flax_variables` copies Flax weights into a twin
 (the tests use it to show one training step gives the same result in both).
 The augmentations draw the same distributions as jaxtrain/augment.py and move
 the same pixels; they work on (N, C, H, W) batches of any dtype, so the same
-code serves per-sample transforms (a batch of one) and on-device batches.
+code serves per-sample transforms (a batch of one), on-device batches and whole
+epochs (torch_fast: draw_augmentation for the epoch, one apply_augmentation).
 
 Two differences stay: in training, torch BatchNorm updates its running
 variance with the unbiased batch variance (n / (n - 1) times Flax's), which only
@@ -14,6 +15,7 @@ the evaluation of BatchNorm models sees; and where a max-pool window holds
 equal values (flat image regions), torch and XLA send its gradient to
 different, equally valid elements.
 """
+import copy
 import math
 
 import numpy as np
@@ -414,6 +416,94 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in flax_param_paths(model))
 
 
+@torch.no_grad()
+def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
+                     max_images: int = 5000):
+    """jaxtrain.models.whitening_kernel in torch, for uint8 (N, H, W, C) images on any
+    device, as an OIHW float32 (filters, C, 2, 2) stem kernel: torch_fast computes its
+    fixed stem inside its clock, as the published speedruns count it.
+
+    The same filters: the top filters/2 eigenvectors of the normalised 2x2 patches'
+    uncentred second moment (first max_images images), each with its largest entry
+    positive, scaled by 1/sqrt(eigenvalue + eps), then their negations. In float64
+    where jaxtrain works in float32, so the two agree to jaxtrain's rounding (its
+    smallest eigenvectors move by ~1e-3 with one rounding of the moment)."""
+    channels = images.shape[-1]
+    if filters % 2 or not 0 < filters <= 8 * channels:
+        raise ValueError(f"whitening_kernel: filters={filters} must be even and at most "
+                         f"{8 * channels} for {channels}-channel images")
+    if images.dtype != torch.uint8:
+        raise ValueError(f"whitening_kernel: images must be uint8, not {images.dtype}")
+    device = images.device
+    mean = torch.tensor(mean, dtype=torch.float64, device=device)
+    std = torch.tensor(std, dtype=torch.float64, device=device)
+    x = (images[:max_images].double() / 255 - mean) / std
+    height, width = x.shape[1:3]
+    # the 2x2 patches in (kh, kw, c) order: an HWIO kernel's input dimensions
+    patches = torch.cat([x[:, i:height - 1 + i, j:width - 1 + j]
+                         for i in (0, 1) for j in (0, 1)], dim=-1).reshape(-1, 4 * channels)
+    eigenvalues, eigenvectors = torch.linalg.eigh(patches.T @ patches)  # ascending
+    eigenvalues = eigenvalues.flip(0) / patches.shape[0]
+    eigenvectors = eigenvectors.flip(1)
+    largest = eigenvectors.gather(0, eigenvectors.abs().argmax(0, keepdim=True))
+    eigenvectors = eigenvectors * torch.where(largest < 0, -1.0, 1.0)
+    half = eigenvectors[:, :filters // 2] / torch.sqrt(eigenvalues[:filters // 2] + eps)
+    kernel = torch.cat([half, -half], dim=1).reshape(2, 2, channels, filters)
+    return kernel.permute(3, 2, 0, 1).float().contiguous()  # HWIO -> OIHW
+
+
+class TrainingLoss(nn.Module):
+    """The training loss of a batch as one module (criterion(model(inputs), labels), the
+    logits in float32), so torch.compile takes the loss into the same graph (and CUDA
+    graph) as the model."""
+
+    def __init__(self, model: nn.Module, criterion: nn.Module):
+        super().__init__()
+        self.model, self.criterion = model, criterion
+
+    def forward(self, inputs, labels):
+        return self.criterion(self.model(inputs).float(), labels)
+
+
+class MarkedForward(nn.Module):
+    """A compiled model's forward with `mark` (torch.compiler.cudagraph_mark_step_begin)
+    called first: each evaluation batch is a new CUDA graph step, so the graphs never
+    wait on outputs of an earlier batch (each batch's are read before the next)."""
+
+    def __init__(self, model: nn.Module, mark):
+        super().__init__()
+        self.model, self.mark = model, mark
+
+    def forward(self, x):
+        self.mark()
+        return self.model(x)
+
+
+def low_precision_copy(model: nn.Module, dtype=torch.bfloat16) -> nn.Module:
+    """A copy of `model` whose weights are `dtype`, to run the forward and backward passes
+    in, except its BatchNorm layers: those are the model's own (float32, shared, so
+    their parameters train and their statistics update in place), as the published
+    speedruns keep BatchNorm in float32. The model keeps the float32 weights the
+    optimiser updates (torch_optim.MasterWeights copies them over after each step).
+    A model with other normalisation layers (the ViT's LayerNorm) is refused."""
+    norms = [type(m).__name__ for m in model.modules() if isinstance(m, (nn.LayerNorm,
+                                                                         nn.GroupNorm))]
+    if norms:
+        raise ValueError(f"low_precision_copy keeps only BatchNorm in float32, this model has "
+                         f"{norms[0]}")
+    shared = {id(m): m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    low = copy.deepcopy(model, memo=shared)
+    with torch.no_grad():
+        for module in low.modules():
+            if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+                for param in module.parameters(recurse=False):
+                    param.data = param.data.to(dtype)
+    if "train" in low.__dict__:  # freeze_batch_norm's train() acts on the original: redo it
+        del low.train
+        freeze_batch_norm(low)
+    return low
+
+
 # ---------------------------------------------------------------- Flax -> torch weights
 
 def _tensor(array):
@@ -584,8 +674,9 @@ def normalize(images, mean, std):
 
 
 def gather_pixels(images, rows, cols, inside=None):
-    """Image i's pixel (rows[i], cols[i]) for (N, C, H, W) images and (N, H, W)
-    coordinates; zero (black) where `inside` is False."""
+    """Image i's pixel (rows[i], cols[i]) for (N, C, H, W) images and coordinates that
+    broadcast to (N, H, W) (a translation's are (N, H, 1) and (N, 1, W): index tensors
+    of N x (H + W), never N x H x W); zero (black) where `inside` is False."""
     n, _, h, w = images.shape
     batch = torch.arange(n, device=images.device)[:, None, None]
     out = images[batch, :, rows.clamp(0, h - 1), cols.clamp(0, w - 1)]  # (N, H, W, C)
@@ -601,18 +692,25 @@ def mirrored(images):
     return images.flip(3)
 
 
+def shift_coordinates(n: int, h: int, w: int, dy, dx, pad_mode: str, device):
+    """The source rows (N, H, 1) and columns (N, 1, W) of images translated by (dy[i],
+    dx[i]), reflected at the border ('reflect') or with an `inside` mask (N, H, W)
+    for black padding (else None): a translation is separable, so it is one gather."""
+    rows = torch.arange(h, device=device)[None, :] - dy[:, None]
+    cols = torch.arange(w, device=device)[None, :] - dx[:, None]
+    if pad_mode == "reflect":
+        rows = (h - 1) - ((h - 1) - rows.abs()).abs()
+        cols = (w - 1) - ((w - 1) - cols.abs()).abs()
+        return rows[:, :, None], cols[:, None, :], None
+    inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
+    return rows[:, :, None], cols[:, None, :], inside
+
+
 def shifted(images, dy, dx, pad_mode: str = "reflect"):
     """Translates image i by (dy[i], dx[i]) pixels, padding the uncovered border like
     jaxtrain.augment.shift (numpy/torch 'reflect', or zeros)."""
     n, _, h, w = images.shape
-    rows = torch.arange(h, device=images.device)[None, :, None] - dy[:, None, None]
-    cols = torch.arange(w, device=images.device)[None, None, :] - dx[:, None, None]
-    rows, cols = rows.expand(n, h, w), cols.expand(n, h, w)
-    if pad_mode == "reflect":
-        rows = (h - 1) - ((h - 1) - rows.abs()).abs()
-        cols = (w - 1) - ((w - 1) - cols.abs()).abs()
-        return gather_pixels(images, rows, cols)
-    inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)
+    rows, cols, inside = shift_coordinates(n, h, w, dy, dx, pad_mode, images.device)
     return gather_pixels(images, rows, cols, inside)
 
 
@@ -633,6 +731,64 @@ def rotated(images, degrees):
     return gather_pixels(images, src_rows, src_cols, inside)
 
 
+def draw_augmentation(n: int, height: int, width: int, device=None, *, flip: bool = False,
+                      alternate_flip: bool = False, translate: int = 0, rotate: float = 0.0,
+                      cutout: int = 0, pad_mode: str = "reflect", mirror=None) -> dict:
+    """The random part of the `augment` block for n images, one draw per image from
+    torch's generator: 'degrees', 'mirror' (bool), 'shift' (dy, dx), 'cutout' (top, left
+    corners), each (n,) or absent. Draws in the order augment_batch always drew them,
+    so a batch sees the same images as before drawing and applying were split; a
+    draw sliced like the images (slice_draws) augments a slice the same way."""
+    if flip and alternate_flip and mirror is None:
+        raise ValueError("augment.alternate_flip needs the batch's mirror bits")
+    draws = {}
+    if rotate:
+        draws["degrees"] = (torch.rand(n, device=device) * 2 - 1) * rotate
+    if flip and alternate_flip:
+        draws["mirror"] = mirror.to(device)
+    elif flip:
+        draws["mirror"] = torch.rand(n, device=device) < 0.5
+    if translate:  # RandomCrop(size, padding=translate): a shift in [-translate, translate]
+        draws["shift"] = torch.randint(-translate, translate + 1, (2, n), device=device)
+    if cutout:
+        draws["cutout"] = torch.stack([torch.randint(0, height, (n,), device=device),
+                                       torch.randint(0, width, (n,), device=device)])
+    return draws
+
+
+def slice_draws(draws: dict, start: int, stop: int) -> dict:
+    """The draws of images start..stop-1."""
+    return {k: v[..., start:stop] for k, v in draws.items()}
+
+
+def apply_augmentation(images, draws: dict, *, pad_mode: str = "reflect", cutout: int = 0):
+    """draw_augmentation's draws applied to (N, C, H, W) images in jaxtrain's order:
+    rotate, flip, translate, cutout. The flip and the translation are one gather (the
+    mirrored column of the shifted one), so a whole epoch is augmented in one go."""
+    n, _, h, w = images.shape
+    device = images.device
+    if "degrees" in draws:
+        images = rotated(images, draws["degrees"])
+    mirror = draws.get("mirror")
+    if "shift" in draws:
+        dy, dx = draws["shift"]
+        rows, cols, inside = shift_coordinates(n, h, w, dy, dx, pad_mode, device)
+        if mirror is not None:  # flip then shift: the shifted pixel's mirrored column
+            cols = torch.where(mirror[:, None, None], (w - 1) - cols.clamp(0, w - 1), cols)
+        images = gather_pixels(images, rows, cols, inside)
+    elif mirror is not None:
+        images = torch.where(mirror[:, None, None, None], mirrored(images), images)
+    if "cutout" in draws:
+        top = draws["cutout"][0][:, None, None] - cutout // 2
+        left = draws["cutout"][1][:, None, None] - cutout // 2
+        rows = torch.arange(h, device=device)[None, :, None]
+        cols = torch.arange(w, device=device)[None, None, :]
+        hole = (rows >= top) & (rows < top + cutout) & (cols >= left) & (cols < left + cutout)
+        images = torch.where(hole[:, None], torch.zeros((), dtype=images.dtype, device=device),
+                             images)
+    return images
+
+
 def augment_batch(images, *, flip: bool = False, alternate_flip: bool = False,
                   translate: int = 0, rotate: float = 0.0, cutout: int = 0,
                   pad_mode: str = "reflect", mirror=None):
@@ -640,28 +796,9 @@ def augment_batch(images, *, flip: bool = False, alternate_flip: bool = False,
     from torch's generator, in jaxtrain's order: rotate, flip, translate, cutout.
     With alternate_flip, `mirror` (bool, one per image) says which images to mirror."""
     n, _, h, w = images.shape
-    device = images.device
-    if rotate:
-        images = rotated(images, (torch.rand(n, device=device) * 2 - 1) * rotate)
-    if flip and alternate_flip:
-        if mirror is None:
-            raise ValueError("augment.alternate_flip needs the batch's mirror bits")
-        images = torch.where(mirror.to(device)[:, None, None, None], mirrored(images), images)
-    elif flip:
-        mirror = torch.rand(n, device=device) < 0.5
-        images = torch.where(mirror[:, None, None, None], mirrored(images), images)
-    if translate:  # RandomCrop(size, padding=translate): a shift in [-translate, translate]
-        dy, dx = torch.randint(-translate, translate + 1, (2, n), device=device)
-        images = shifted(images, dy, dx, pad_mode)
-    if cutout:
-        top = torch.randint(0, h, (n, 1, 1), device=device) - cutout // 2
-        left = torch.randint(0, w, (n, 1, 1), device=device) - cutout // 2
-        rows = torch.arange(h, device=device)[None, :, None]
-        cols = torch.arange(w, device=device)[None, None, :]
-        hole = (rows >= top) & (rows < top + cutout) & (cols >= left) & (cols < left + cutout)
-        images = torch.where(hole[:, None], torch.zeros((), dtype=images.dtype, device=device),
-                             images)
-    return images
+    draws = draw_augmentation(n, h, w, images.device, flip=flip, alternate_flip=alternate_flip,
+                              translate=translate, rotate=rotate, cutout=cutout, mirror=mirror)
+    return apply_augmentation(images, draws, pad_mode=pad_mode, cutout=cutout)
 
 
 def tta_views(images, mode: str, pad_mode: str = "reflect"):

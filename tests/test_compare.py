@@ -72,6 +72,12 @@ def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
     assert jax_row["warmup_seconds"] == pytest.approx(
         jax_summary["compile_seconds"] + jax_summary["phase_seconds"]["warmup"])
     assert written["results"][2]["torch_compile"] is None  # off on the CPU by default
+    measures = written["results"][2]["measures"]
+    assert measures["compile"]["mode"] is None and measures["compile"]["fallbacks"] == []
+    assert measures["optimizers"] == [{"group": "default", "optimizer": "SGD",
+                                       "implementation": "fused"}]
+    assert measures["weights"]["dtype"] == "float32" and measures["whitening"] is None
+    assert "measures" not in written["results"][1]  # torch_article: the article's way
 
 
 def test_the_warm_up_leaves_the_run_unchanged(cifar_batches_dir, tmp_path):
@@ -97,7 +103,8 @@ def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
          f"--workdir={tmp_path}", f"--config.data.dir={cifar_batches_dir}",
-         "--config.train.num_steps=5", "--frameworks=jax,torch_fast"],
+         "--config.train.num_steps=5", "--frameworks=jax,torch_fast",
+         "--torch_compile_cap=30", "--torch_bfloat16=off"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -108,6 +115,9 @@ def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
     assert lines[header + 1].split()[-1] == lines[header + 2].split()[-1] == "62,006"
     written = json.loads((tmp_path / compare.JSON_FILE).read_text())
     assert [r["steps"] for r in written["results"]] == [5, 5]
+    measures = written["results"][1]["measures"]
+    assert measures["compile"]["cap_seconds"] == 30
+    assert measures["weights"]["why"] == "off (--torch_bfloat16=off)"
 
 
 def test_command_line_rejects_an_unknown_framework(tmp_path):
@@ -463,17 +473,217 @@ def test_augmentations_move_pixels_like_jaxtrains(cifar_subset):
     np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), expected, atol=1e-6)
 
 
-def test_torch_fast_trains_cifar_cnn_in_bfloat16(cifar_batches_dir):
-    config = cifar.get_config()
-    config.data.dir, config.data.source = str(cifar_batches_dir), "files"
-    config.model.widths, config.model.stem_width = (8, 16, 16), 8
-    config.train.batch_size, config.eval.batch_size = 64, 250
-    config.augment.rotate, config.augment.cutout = 10.0, 6
+def test_torch_fast_trains_the_record_recipe_in_bfloat16(cifar_batches_dir):
+    """torch_fast's measures on the CPU (torch.compile aside): bfloat16 weights with
+    float32 BatchNorm and master weights (--torch_bfloat16=on), Muon's Newton-Schulz in
+    bfloat16 over stacks of same-shape filters, fused SGD, the whitened stem computed
+    in torch (matching jaxtrain's), the epoch augmented in one go (rotation and cutout
+    too), the TTA views in one batch."""
+    config = record_config(cifar_batches_dir, train__precision="bfloat16", train__batch_size=50,
+                           augment__rotate=10.0, augment__cutout=6)
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
     mean, std = prepare.channel_stats(dataset, config)
-    result = compare.run_torch_fast(config, dataset, mean, std, total_steps=4)
-    assert result["precision"] == "bfloat16" and result["param_count"] == 9560
+    stem_kernel = prepare.whitening_fn(config, mean, std)(dataset.x_train[:models.WHITENING_IMAGES])
+    result = compare.run_torch_fast(config, dataset, mean, std, total_steps=4,
+                                    stem_kernel=stem_kernel, bfloat16=True)
+    assert result["precision"] == "bfloat16" and result["param_count"] == 10920
     assert np.isfinite(result["test_loss"]) and result["steps"] == 4
+    measures = result["measures"]
+    assert measures["weights"] == {
+        "dtype": "bfloat16", "why": "on (--torch_bfloat16=on)", "batch_norm": "float32",
+        "optimizer_steps": "float32 master weights", "autocast": None,
+        "memory_format": "channels_last"}
+    muon, *sgd = measures["optimizers"]
+    assert muon["newton_schulz"] == {"dtype": "bfloat16", "compiled": False,
+                                     "stacks": [[1, 8, 216], [1, 8, 72], [1, 16, 72],
+                                                [3, 16, 144]]}
+    assert {row["implementation"] for row in sgd} == {"fused"} and len(sgd) == 3
+    assert measures["whitening"]["matches_jaxtrain"]
+    assert 0 < measures["whitening"]["difference_from_jaxtrain"] < 1e-3  # float32 vs float64
+    assert measures["compile"]["mode"] is None and result["torch_compile"] is None
+    with pytest.raises(compare.CompareError, match="needs config.train.precision='bfloat16'"):
+        compare.run_torch_fast(record_config(cifar_batches_dir), dataset, mean, std,
+                               total_steps=1, bfloat16=True)
+
+
+@pytest.mark.parametrize("pad_mode", ["reflect", "constant"])
+def test_an_epoch_augmented_at_once_is_the_per_batch_augmentation(cifar_subset, pad_mode):
+    """torch_fast augments each epoch in one go and slices it per step: the same images
+    as augmenting each batch (augment_batch, then normalising) with the same draws,
+    the alternating flip's bits included; the flip and the translation, one gather
+    there, are the flip then the shift."""
+    images = torch.from_numpy(cifar_subset["x_train"][:96]).permute(0, 3, 1, 2)
+    labels = torch.from_numpy(cifar_subset["y_train"][:96]).long()
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(0))[:64]
+    flips = torch.rand(96, generator=torch.Generator().manual_seed(1)) < 0.5
+    augment_kwargs = dict(flip=True, alternate_flip=True, translate=2, rotate=10.0, cutout=6,
+                          pad_mode=pad_mode)
+    mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+    mirror = flips[order] ^ True  # an odd epoch
+    per_batch, draws = [], []
+    for i in range(0, 64, 16):
+        torch.manual_seed(i)
+        batch = torch_models.augment_batch(images[order[i:i + 16]], mirror=mirror[i:i + 16],
+                                           **augment_kwargs)
+        per_batch.append(torch_models.normalize(batch, mean, std))
+        torch.manual_seed(i)  # the same draws, for the epoch at once
+        draws.append(torch_models.draw_augmentation(16, 32, 32, mirror=mirror[i:i + 16],
+                                                    **augment_kwargs))
+    draws = {key: torch.cat([d[key] for d in draws], dim=-1) for key in draws[0]}
+    assert sorted(draws) == ["cutout", "degrees", "mirror", "shift"]
+    inputs, epoch_labels = compare.augmented_epoch(images, labels, order, draws, mean=mean,
+                                                   std=std, pad_mode=pad_mode, cutout=6)
+    assert inputs.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(epoch_labels, labels[order])
+    for i, expected in zip(range(0, 64, 16), per_batch):
+        assert torch.equal(inputs[i:i + 16], expected)
+    moved = (inputs != torch_models.normalize(images[order], mean, std)).flatten(1).any(1)
+    assert bool(moved.all())
+    # one gather for the flip and the shift: the flip, then the shift
+    dy, dx = draws["shift"]
+    flipped = torch.where(mirror[:, None, None, None], images[order].flip(3), images[order])
+    expected = torch_models.shifted(flipped, dy, dx, pad_mode)
+    got = torch_models.apply_augmentation(images[order], {"mirror": mirror, "shift": (dy, dx)},
+                                          pad_mode=pad_mode)
+    assert torch.equal(got, expected) and not torch.equal(got, flipped)
+
+
+def test_tta_views_in_one_batch_give_the_separate_views_logits(cifar_subset):
+    config = model_config("cifar_cnn", widths=(8, 16, 16), stem_width=8)
+    twin = torch_models.create_model(config, 10, (32, 32, 3)).eval()
+    with torch.no_grad():
+        for layer in twin.modules():  # statistics away from their initial 0 and 1
+            if isinstance(layer, torch.nn.BatchNorm2d):
+                layer.running_mean.uniform_(-0.3, 0.3)
+                layer.running_var.uniform_(0.5, 1.5)
+    images = torch.from_numpy(cifar_subset["x_test"][:32]).permute(0, 3, 1, 2)
+    kwargs = dict(mean=(0.49, 0.48, 0.45), std=(0.25, 0.24, 0.26), pad_mode="reflect")
+    with torch.no_grad():
+        for mode in ("flip", "flip_translate"):
+            separate = compare.tta_logits(twin, images, mode, **kwargs)
+            together = compare.tta_logits(twin, images, mode, one_batch=True, **kwargs)
+            assert separate.shape == together.shape == (32, 10)
+            np.testing.assert_allclose(together.numpy(), separate.numpy(), rtol=1e-5,
+                                       atol=1e-6)
+        plain = compare.tta_logits(twin, images, "none", **kwargs)
+        assert not torch.allclose(plain, together, atol=1e-3)  # the views matter
+
+
+def test_torch_computes_jaxtrains_whitened_stem(cifar_subset):
+    """torch_fast's stem, computed in torch (float64) inside its clock, against
+    jaxtrain's (float32): equal to jaxtrain's rounding, most in the least-variance
+    directions, whose filters are the largest."""
+    x = cifar_subset["x_train"]
+    mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+    expected = np.asarray(models.whitening_kernel(x, mean, std, 24)).transpose(3, 2, 0, 1)
+    got = torch_models.whitening_kernel(torch.from_numpy(x), mean, std, 24).numpy()
+    assert got.shape == (24, 3, 2, 2) and got.dtype == np.float32
+    difference = np.abs(got - expected).max() / np.abs(expected).max()
+    assert difference < compare.WHITENING_TOLERANCE  # 0.8%, in the last two filters
+    np.testing.assert_allclose(got[:6], expected[:6], rtol=1e-3, atol=1e-4)
+    np.testing.assert_array_equal(got[12:], -got[:12])
+    with pytest.raises(ValueError, match="must be uint8"):
+        torch_models.whitening_kernel(torch.zeros(2, 4, 4, 3), mean, std, 8)
+
+
+def test_batched_newton_schulz_is_the_per_matrix_one():
+    """Muon orthogonalises same-shape matrices as one stack, on their wide orientation:
+    the same as newton_schulz one matrix at a time (float32); bfloat16 within its
+    rounding."""
+    muon = torch_optim.Muon([torch.nn.Parameter(torch.zeros(6, 4, 3, 3))], ns_steps=3)
+    group = muon.param_groups[0]
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(6, 4, 3, 3), (6, 4, 3, 3), (40, 6), (40, 6), (5, 12), (6, 4, 3, 3)]
+    directions = [torch.randn(shape, generator=generator) for shape in shapes]
+    batched = muon._orthogonalized(directions, group)
+    for d, got in zip(directions, batched):
+        matrix = d.reshape(d.shape[0], -1)  # (out, in); newton_schulz takes (in, out)
+        expected = torch_optim.newton_schulz(matrix.T, group["ns_coeffs"], 3).T
+        assert got.shape == d.shape
+        np.testing.assert_allclose(got.reshape(matrix.shape).numpy(), expected.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    stack = torch.stack([d.reshape(6, -1) for d in directions[:2]])
+    assert not torch.equal(batched[0], batched[1])
+    low = torch_optim.newton_schulz_batched(stack, group["ns_coeffs"], 3, dtype=torch.bfloat16)
+    high = torch_optim.newton_schulz_batched(stack, group["ns_coeffs"], 3)
+    assert low.dtype == torch.float32
+    assert float((low - high).abs().max()) < 0.05 * float(high.abs().max())
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    assert sorted(torch_optim.Muon(params).stack_shapes()) == [(1, 5, 12), (2, 6, 40),
+                                                               (3, 6, 36)]
+
+
+def test_master_weights_step_float32_weights_for_a_bfloat16_copy():
+    """torch_fast's bfloat16 weights: BatchNorm shared in float32, the optimiser steps
+    the float32 weights with the copy's gradients (as float32) and copies them back."""
+    config = model_config("cifar_cnn", widths=(8, 16, 16), stem_width=8)
+    torch.manual_seed(0)
+    model = torch_models.create_model(config, 10, (32, 32, 3))
+    reference = torch_models.create_model(config, 10, (32, 32, 3))
+    reference.load_state_dict(model.state_dict())
+    low = torch_models.low_precision_copy(model)
+    norms = [m for m in low.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(any(n is m for m in model.modules()) for n in norms)
+    assert low[0].weight.dtype == torch.bfloat16 and norms[0].bias.dtype == torch.float32
+    opt = default.get_config().optimizer
+    opt.schedule, opt.learning_rate, opt.momentum = "constant", 0.1, 0.9
+    pairs = [(m, c) for m, c in zip(model.parameters(), low.parameters())
+             if m is not c and m.requires_grad]
+    assert len(pairs) == 1 + 1 + 6 + 1  # stem kernel and bias, block convs, head
+    optimizer = torch_optim.MasterWeights(
+        torch_optim.create_torch_optimizer(opt, model, 3, fast=True), pairs)
+    plain = torch_optim.create_torch_optimizer(opt, reference, 3)
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    theirs = dict(reference.named_parameters())
+    for step in range(2):
+        loss = compare.torch_step(low, optimizer, torch.nn.CrossEntropyLoss(),
+                                  x.to(torch.bfloat16), torch.arange(4), step)
+        assert loss.dtype == torch.float32  # Scale: the logits in float32
+        assert all(master.grad.dtype == torch.float32 for master, _ in pairs)
+        torch_optim.set_step(plain, step)
+        for name, mine in model.named_parameters():
+            theirs[name].grad = None if mine.grad is None else mine.grad.clone()
+        plain.step()  # torch's plain SGD on the same float32 gradients
+        for name, mine in model.named_parameters():  # the shared BatchNorm's too
+            np.testing.assert_allclose(mine.detach().numpy(), theirs[name].detach().numpy(),
+                                       rtol=1e-6, atol=1e-7, err_msg=f"step {step}: {name}")
+        assert all(torch.equal(copy, master.to(torch.bfloat16)) for master, copy in pairs)
+    moved = [name for name, p in model.named_parameters() if not torch.equal(p, start[name])]
+    assert len(moved) == len(pairs) + 6  # and the six BatchNorm biases
+
+
+def test_torch_compile_falls_back_past_its_cap_and_on_errors():
+    """torch_fast tries its compile mode within the cap, then 'default' (uncapped), then no
+    compilation, recording each fallback and its reason; a CPU skips the CUDA modes."""
+    import time
+
+    modes, fallbacks = compare.compile_modes("max-autotune", "cuda")
+    assert modes == ["max-autotune", "default", None] and fallbacks == []
+    modes, fallbacks = compare.compile_modes("max-autotune", "cpu")
+    assert modes == ["default", None] and fallbacks[0]["mode"] == "max-autotune"
+    assert fallbacks[0]["reason"].startswith("not tried on cpu")
+    assert compare.compile_modes("default", "cpu") == (["default", None], [])
+    undone = []
+
+    def attempt(mode):
+        if mode == "max-autotune":
+            time.sleep(30)  # interrupted by the cap
+        if mode == "default":
+            raise RuntimeError("inductor failed\nsecond line")
+        return f"ran {mode}"
+
+    start = time.perf_counter()
+    mode, result, fallbacks, enforced, _ = compare.first_that_compiles(
+        ["max-autotune", "default", None], attempt, 0.2, lambda: undone.append(1))
+    assert time.perf_counter() - start < 10
+    assert (mode, result, enforced, len(undone)) == (None, "ran None", True, 2)
+    assert [f["mode"] for f in fallbacks] == ["max-autotune", "default"]
+    assert fallbacks[0]["reason"] == "did not compile and warm up within its 0.2 s cap"
+    assert fallbacks[1]["reason"] == "RuntimeError: inductor failed"
+    mode, result, fallbacks, enforced, _ = compare.first_that_compiles(
+        ["default", None], lambda mode: time.sleep(0.5) or mode, 0.2, lambda: None)
+    assert (mode, result, fallbacks, enforced) == ("default", "default", [], False)  # uncapped
 
 
 def test_unknown_framework_is_refused(cifar_batches_dir, tmp_path):
