@@ -1,99 +1,223 @@
-"""Every GPU figure jaxtrain reports, from one prepared run on one H200.
+"""Every GPU figure jaxtrain reports, from two prepared device calls on one H200.
 
-GPU time comes in short loans (about 15 minutes, machine start included), so
-everything is measured by this one script, most important first, within a
-time budget (default 560 s of a 600 s device command). Each item is one of
-jaxtrain's own commands run as a child process, so a figure here is what a
-user gets from that command. Every setup step and item has a cap of its own
-(PLAN below; `--plan` prints it): one that reaches its cap is stopped with its
-process group and the next one starts, so a slow or hung item costs only its
-own cap. The caps add up to the budget, so every item gets its chance; what an
-item leaves unused goes to the extras at the end.
+GPU time comes in short loans (about 15 minutes, machine start included, at
+most 600 s a device command), so everything is measured by this one script,
+most important first, in two calls: part 1 (default budget 540 s: the
+speedrun, its levers, XLA's compile settings, the strongest PyTorch twin) and
+part 2 (200 s: the published airbench94_muon, whose cold torch.compile alone
+took ~160 s on an H200). Each item is one of jaxtrain's own commands run as a
+child process, so a figure here is what a user gets from that command. Every
+setup step and item has a cap of its own (PLAN and PLAN_2 below; `--plan`
+prints them): one that reaches its cap is stopped with its process group and
+the next one starts, so a slow or hung item costs only its own cap. A part's
+caps add up to its budget, so every item gets its chance; what part 1's items
+leave unused goes to the extras at the end.
 
-$OUT/h200.json is written before anything else (the environment), after every
-setup step and after every item: each entry has its command, cap, status,
-seconds, the JSON the command wrote (a benchmark writes its JSON after compiling
-and after every run, compare after every framework, so a cut-off item still
-reports what it finished) and any XLA warning about compilation. $OUT/logs.tar.gz
-holds every output; profiler traces come back as $OUT/profile_<item>.tar.gz (the
-device returns at most 8 files from $OUT, hence the archives). A failing setup
-step (the wheels, the data, the preflight) is recorded there and ends the run.
+$OUT/h200.json (part 2: $OUT/h200_part2.json) is written before anything else
+(the environment), after every setup step and after every item: each entry has
+its command, cap, status, seconds, the JSON the command wrote (a benchmark
+writes its JSON after compiling and after every run, compare after every
+framework, the airbench item after every run it reads, so a cut-off item still
+reports what it finished) and any XLA warning about compilation.
+$OUT/logs.tar.gz holds every output; profiler traces (and inspect's optimised
+HLO) come back as $OUT/profile_<item>.tar.gz (the device returns at most 8 files
+from $OUT, hence the archives). A failing setup step (the wheels, the data, the
+preflight) is recorded there and ends the run.
 
 Prepare, once, in the repository root of the development machine (the device
-has no network; .gitignore lists both folders, and they travel with `carry`):
+has no network; .gitignore lists the three folders, and they travel with
+`carry`):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux2014_x86_64 -d .whl \\
         ml_collections==1.1.0 tensorboardX==2.6.4
     mkdir -p .data && cp ../shared/data/cifar10_jpeg.npz ../shared/data/cifar10_jpeg.py .data/
+    # airbench94_muon.py into .airbench/ (never committed: not this project's code), from a
+    # clone or git mirror of github.com/KellerJordan/cifar10-airbench (its commit f1c599c,
+    # the version read for issue #40), or from the file itself:
+    python3 benchmarks/h200.py --prepare_airbench=PATH
 
-Run on the device (device tool: carry [".whl", ".data"], timeout_s=600):
+Run on the device (device tool: carry [".whl", ".data", ".airbench"]; part 1 with
+timeout_s=600, part 2 with timeout_s=230, on the same warm machine):
 
-    python3 benchmarks/h200.py --out=$OUT
+    python3 benchmarks/h200.py --out=$OUT             # part 1
+    python3 benchmarks/h200.py --part=2 --out=$OUT    # part 2: airbench94_muon
 
 Setup: the wheels in .whl (the image has jax, flax, optax, orbax and torch, not
 ml_collections or tensorboardX) go into a private folder; the CIFAR-10 JPEG copy
-in .data is decoded into the cifar-10-batches-py layout, and a part of it is
-upscaled to 224 px for the ResNet-50 item; the preflight imports every module
-the items use, records the versions (jax, jaxlib, the CUDA plugin, CUDA and
-cuDNN as the device client reports them, torch and its CUDA and cuDNN), builds
-the speedrun's optimiser and compiles a small program, so an API change in the
-image's jax / optax / flax fails in seconds with one line, not in every item.
+in .data is decoded into the cifar-10-batches-py layout (part 2: and written as
+the cifar10/{train,test}.pt airbench reads; extras: a part of it upscaled to
+224 px for the ResNet-50 items); the preflight imports every module the items
+use, records the versions (jax, jaxlib, the CUDA plugin, CUDA and cuDNN as the
+device client reports them, torch and its CUDA and cuDNN), looks the plan's XLA
+flags up in the device's jaxlib, builds the speedrun's optimiser and compiles a
+small program, so an API change in the image's jax / optax / flax fails in
+seconds with one line, not in every item. Part 2 needs the data alone.
 
 The same script on a CPU with tiny sizes, a few steps of every item (CI runs
-some items: tests/test_h200.py; run them all before a loan):
+some items: tests/test_h200.py; run them all before a loan), the airbench item
+against benchmarks/airbench_standin.py (airbench needs CUDA):
 
     python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
+    python3 benchmarks/h200.py --dry --part=2 --data_dir=DIR --out=/tmp/h200
 """
 import argparse
 import collections
+import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = "h200.json"
+RESULTS = {1: "h200.json", 2: "h200_part2.json"}
 SPEEDRUN = "configs/cifar_speedrun.py"
 MAX_FILE_BYTES = 15 * 2**20  # the device returns files of up to 16 MiB
-BUDGET = 560.0  # of the device command's 600 s: the rest is for the archives and slack
+# Of each device command's time: the rest is for the archives and slack. 540 + 200 s
+# of items, plus the machine's start (60-120 s), fit a loan's 900 s.
+BUDGETS = {1: 540.0, 2: 200.0}
+BUDGET = BUDGETS[1]
 DRY_CAP_SCALE = 10.0  # --dry on a CPU: every cap and the budget times this
 # XLA's warning when the ptxas it finds is newer than the driver: compiles get slower.
 XLA_WARNINGS = re.compile(r"disabling parallel compilation|ptxas .*(newer|version)", re.I)
 
 Step = collections.namedtuple("Step", "name cap expected yields why")
 
+# The speedrun's variants. Every lever that keeps the recipe (the same numbers to the bit,
+# or within float rounding: each has its CPU test), and the settings XLA compiles with.
+CORNERS = ("--config.model.pool_impl=corners",)
+LEVERS = (*CORNERS, "--config.optimizer.ns_stack=True", "--config.optimizer.flatten=True",
+          "--config.train.drop_finished_groups=True", "--config.model.bn_impl=lean")
+ONE_LEVER = {"speedrun_ns_stack": "--config.optimizer.ns_stack=True",
+             "speedrun_flatten": "--config.optimizer.flatten=True",
+             "speedrun_drop_finished_groups": "--config.train.drop_finished_groups=True",
+             "speedrun_bn_lean": "--config.model.bn_impl=lean"}
+RECIPE_CHANGES = {"speedrun_levers_silu": "--config.model.activation=silu",
+                  "speedrun_levers_tta_quarter": "--config.eval.tta_fraction=0.25"}
+# The compile A/B (train.xla_flags; names checked against jaxlib 0.10.2's XLA, and by the
+# preflight against the device's): today's autotuning level is 4 (on, buffers
+# initialised, reinitialised and results checked), Triton GEMMs on, LLVM modules
+# compiled one at a time; parallel, they take as many threads as
+# --xla_gpu_force_compilation_parallelism says (16: the device's cores).
+XLA_SETTINGS = {
+    "compile_no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
+    "compile_parallel_llvm": "--xla_gpu_enable_llvm_module_compilation_parallelism=true "
+                             "--xla_gpu_force_compilation_parallelism=16",
+    "compile_autotune_1": "--xla_gpu_autotune_level=1",
+    "compile_autotune_0": "--xla_gpu_autotune_level=0",
+    "compile_autotune_2": "--xla_gpu_autotune_level=2",
+}
+AUTOTUNE_ITEMS = ("compile_autotune_0", "compile_autotune_1", "compile_autotune_2")
+# whole_process_best's choice: the levers' config if its mean reaches the target over at
+# least 10 seeds and it runs faster; each compile setting that saves at least a second of
+# compilation without slowing a run by more than half a percent (one autotuning level).
+TARGET_ACCURACY = 0.907
+MIN_COMPILE_SAVING = 1.0
+STEP_TOLERANCE = 0.005
+# The strongest PyTorch twin: compare.py's torch_fast in torch.compile's max-autotune mode
+# (its default) with CUDA graphs, falling back to 'default' past this cap. MARKED: the cap
+# is this script's choice (compare.py's default is 90 s); the flag name is compare.py's.
+STRONG_TWIN = ("--frameworks=torch_fast", "--torch_compile_cap=60")
+# The other compare items keep the first loan's torch.compile mode, so their caps still
+# hold (max-autotune on ResNet-50 would spend its cap and then compile again).
+DEFAULT_COMPILE = ("--torch_compile_mode=default",)
+# airbench94_muon: the version read for issue #40, and where the prepared copy goes.
+AIRBENCH_REPOSITORY = "KellerJordan/cifar10-airbench"
+AIRBENCH_COMMIT = "f1c599c4af24aca803e3e65a6a7e52a502e09d0e"
+AIRBENCH_SHA256 = "704e29251a5207d8aed8a35adf13f772ff386b90a712aaddc2a28854385b536e"
+AIRBENCH_DIR = os.path.join(REPO, ".airbench")
+AIRBENCH_SCRIPT = os.path.join(AIRBENCH_DIR, "airbench94_muon.py")
+AIRBENCH_STANDIN = os.path.join(REPO, "benchmarks", "airbench_standin.py")
+AIRBENCH_MARGIN = 5.0  # the wrapper stops airbench this long before the item's limit
+
 # The budget on paper: (name, cap s, expected s, what it yields, why it is here).
-# Expected times are the first H200 loan's (2026-12-04, benchmarks/results/h200.json
-# and h200_rerun.json), rounded up; compare_seed's PyTorch side and the exact largest
-# batches were not reached then, so theirs are estimates. That loan also settled the
-# epoch count (8 is the fewest whose mean reaches 90.70%): those items are gone.
+# Expected times are from the first H200 loan (2026-12-04, benchmarks/results/h200.json,
+# BENCHMARKS.md), rounded up: a speedrun process is ~5.5 s of start-up and data, 30.5 s
+# of compiling, 1.37 s a run; the compile settings' and the levers' own effects are
+# guesses until measured (the caps leave each about 25% more).
 PLAN = (
     Step("wheels", 8, 4, "ml_collections and tensorboardX importable",
          "every item needs them"),
-    Step("data", 20, 12, "cifar-10-batches-py, and 2,560 + 512 images at 224 px",
-         "every item needs the data"),
-    Step("preflight", 20, 15, "the versions; every module imported, the speedrun's optimiser "
-         "built, a program compiled", "an API change fails here in seconds, not in every item"),
-    Step("speedrun", 62, 52, "10 seeds of the speedrun: accuracy mean/std, seconds per run, "
-         "compile seconds", "the figure the project is judged by"),
-    Step("speedrun_pool_corners", 55, 47, "5 seeds of the speedrun with model.pool_impl="
-         "'corners' (the same numbers to the bit): seconds per run against the speedrun "
-         "item's", "the first loan's trace: the max-pool gradient's scatter and windowed "
-         "reductions were 1.5 ms of the step's 6.63"),
+    Step("data", 20, 12, "cifar-10-batches-py (the ResNet items' 2,560 + 512 images at 224 "
+         "px are written from it before them)", "every item needs the data"),
+    Step("preflight", 20, 15, "the versions; every module imported, the plan's XLA flags looked "
+         "up in the device's jaxlib, the speedrun's optimiser built, a program compiled",
+         "an API change fails here in seconds, not in every item"),
+    Step("speedrun_corners", 62, 52, "10 seeds (0-9, the first loan's) of the speedrun with "
+         "model.pool_impl='corners' (the same numbers to the bit): accuracy, seconds per run, "
+         "compile seconds; the compile settings' baseline", "today's recipe against the first "
+         "loan's 1.370 s: max-pooling and its gradient's scatter were 1.5 of the 6.63 ms step"),
+    Step("speedrun_levers", 95, 85, "30 seeds (0-29) with every lever that keeps the recipe: "
+         "corners, optimizer.ns_stack, optimizer.flatten, train.drop_finished_groups, "
+         "model.bn_impl='lean': mean accuracy and its standard error, seconds per run",
+         "the candidate for 1.0 s a run, and the >= 90.70% over >= 30 seeds; its seeds 0-9 "
+         "compare with speedrun_corners'"),
+    Step("inspect_speedrun_corners", 50, 40, "the step with corners: kernels by kind, the 60 "
+         "costliest kernels by name, the optimised HLO, a trace", "where the time goes after "
+         "pooling: the float32 buffers kept for BatchNorm's backward, Muon's products"),
+    Step("compile_no_triton_gemm", 46, 38, "the speedrun (corners) compiled cold with "
+         "--xla_gpu_enable_triton_gemm=false: compile seconds, the whole process to the first "
+         "run's accuracy, a second run's seconds", "compile is 30.3 of the 36.7 s cold start; "
+         "fewer GEMM candidates to autotune"),
+    Step("compile_parallel_llvm", 46, 36, "the same with LLVM modules compiled in parallel "
+         "(--xla_gpu_enable_llvm_module_compilation_parallelism, 16 threads)",
+         "code generation on 16 cores instead of one"),
+    Step("compile_autotune_1", 45, 36, "the same with --xla_gpu_autotune_level=1 (autotuning "
+         "without initialising, re-initialising and checking buffers; today's level is 4)",
+         "the autotuner's checks, without its choices"),
+    Step("compile_autotune_0", 40, 30, "the same with --xla_gpu_autotune_level=0 (no "
+         "autotuning)", "the most compile time to save, and what it costs each step"),
+    Step("compare_speedrun_strong", 108, 95, "the speedrun recipe in the strongest PyTorch "
+         "twin (torch_fast: max-autotune with CUDA graphs within a 60 s compile cap, else "
+         "default mode; fused SGD, batched bf16 Newton-Schulz): one run's seconds, accuracy "
+         "and what compiled", "the ratio to the fastest PyTorch in the same call (jaxtrain's "
+         "side: the speedrun items; the first loan's twin took 2.10 s)"),
+)
+# Part 2, a second device call: airbench needs most of it.
+PLAN_2 = (
+    Step("data", 20, 14, "cifar-10-batches-py; from it, before its item, airbench's "
+         "cifar10/train.pt and test.pt (uint8 images N x 32 x 32 x 3, int64 labels, the "
+         "class names)", "airbench reads them (the device cannot download)"),
+    Step("airbench94_muon", 180, 175, "the published airbench94_muon (torch.compile "
+         "max-autotune) on the same JPEG CIFAR-10, stopped at its cap: each finished run's "
+         "TTA accuracy and seconds as it prints them, the time to its first run",
+         "the anchor (about 1.47 s a run there before); its 200 runs after a ~160 s cold "
+         "compile do not fit a loan, so the runs before its cap are read"),
+)
+# If part 1 has time left, each with at most its cap of what is left, most useful first:
+# the whole process with the best settings, the levers that change the recipe, one lever
+# at a time, and what the first loan measured or could not reach.
+EXTRAS = (
+    Step("whole_process_best", 60, 45, "the whole process cold and warm (two runs each) with "
+         "the best settings the items above found (h200.json records the choice and why)",
+         "the whole-process target is 20 s cold"),
+    Step("speedrun_levers_silu", 62, 55, "10 seeds (0-9) of speedrun_levers with "
+         "model.activation='silu'", "a cheaper activation; its accuracy over the same seeds"),
+    Step("speedrun_levers_tta_quarter", 62, 55, "10 seeds (0-9) of speedrun_levers with "
+         "eval.tta_fraction=0.25", "TTA on the least confident quarter: ~30 of the 45 ms "
+         "evaluation; its accuracy over the same seeds"),
+    Step("inspect_speedrun_levers", 50, 40, "the step with every lever: kernels, top 60, HLO, "
+         "a trace", "what the levers left"),
+    Step("compile_autotune_2", 46, 38, "the compile A/B with --xla_gpu_autotune_level=2",
+         "between levels 1 and 4"),
+    *(Step(name, 62, 52, "10 seeds (0-9) of speedrun_corners with "
+           + flag.removeprefix("--config."), "one lever's own seconds and accuracy")
+      for name, flag in ONE_LEVER.items()),
+    Step("speedrun", 62, 52, "10 seeds of the speedrun as configured (XLA's max-pooling)",
+         "the first loan's item: 1.370 s"),
     Step("compare_speedrun", 90, 79, "the speedrun recipe in jaxtrain and in PyTorch "
-         "(torch.compile) side by side", "the bar is beating PyTorch on the same recipe"),
-    Step("inspect_speedrun", 42, 36, "the speedrun's step: kernels by kind, FLOPs, TFLOP/s, "
-         "fraction of peak, top ops, a trace", "where the speedrun's time goes"),
-    Step("inspect_speedrun_corners", 45, 38, "the speedrun's step with model.pool_impl="
-         "'corners': step time, top ops, a trace", "whether the scatter left the trace"),
+         "(torch_fast) side by side", "the first loan's comparison"),
+    Step("inspect_speedrun", 42, 36, "the speedrun's step with XLA's max-pooling: kernels, "
+         "top ops, a trace", "the first loan's item"),
     Step("compare_seed", 108, 85, "the seed recipe in jaxtrain (one run: its images/s) and "
          "the fastest PyTorch", "the first loan's 55 s cap cut PyTorch's side off (jaxtrain: "
          "2.99 s; the article's PyTorch as written: 82.6 s)"),
@@ -101,18 +225,13 @@ PLAN = (
          "train step fits the H200, plain, with model.remat and with accumulate_steps=4 "
          "(compiled memory analyses, nothing trained)", "issue #30; the first loan's 40 s "
          "showed only that 1,024 fits (42.1 GB plain, 14.9 GB with remat)"),
-)
-# If time is left, each with at most its cap of what is left: figures the first loan
-# measured already (finetune_resnet50_224, speedrun_whole_process, cifar_train,
-# seed_64_replicas), and ResNet-50 from scratch, which it did not reach.
-EXTRAS = (
     Step("finetune_resnet50_224", 100, 91, "configs/finetune.py: ResNet-50 at 224 px from "
          "random-init torchvision weights (model.init_from), 40 steps of batch 256, jaxtrain "
          "and PyTorch (channels_last, bf16 autocast, torch.compile) from the same weights: "
          "images/s each", "the ImageNet-class throughput frameworks are compared by, on the "
          "path people fine-tune with"),
     Step("speedrun_whole_process", 55, 49, "one speedrun as a user starts it: whole process "
-         "cold, then with a warm cache", "what a user waits for, compilation included"),
+         "cold, then with a warm cache", "the first loan's item: 36.7 s cold, 8.9 s warm"),
     Step("cifar_train", 40, 32, "configs/cifar.py trained in full: test accuracy, train and "
          "compile seconds", "the main command of the README"),
     Step("resnet50_224", 100, 91, "ResNet-50 at 224 px from scratch (the ImageNet recipe), 40 "
@@ -122,6 +241,7 @@ EXTRAS = (
          "per replica, the spread of accuracy", "issue #18's target is for a GPU"),
 )
 SETUP = ("wheels", "data", "preflight")
+PARTS = {1: (PLAN, EXTRAS), 2: (PLAN_2, ())}
 
 # Tiny sizes for --dry: every item's code path, a few steps each.
 DRY_SPEEDRUN = ("--config.model.widths=(8,16,16)", "--config.model.stem_width=12",
@@ -139,20 +259,26 @@ DRY_RESNET = ("--config.model.name=resnet18", "--config.train.batch_size=8",
 DRY_LARGEST = ("--model=resnet18", "--image_size=32", "--limit_gib=0.25", "--start=16",
                "--max_probes=3")
 START_WEIGHTS = "resnet50_random.pth"  # the fine-tuning item's torchvision weights (random)
+RESNET_ITEMS = {"resnet50_224", "finetune_resnet50_224"}
 
 
 def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = None,
-          start_weights: str = START_WEIGHTS) -> list:
-    """(Step, command, JSON file the command writes) in the order run: PLAN's, then
-    EXTRAS'."""
+          start_weights: str = START_WEIGHTS, *, part: int = 1,
+          airbench_script: str | None = None, airbench_dir: str | None = None) -> list:
+    """(Step, command, JSON file the command writes) in the order run: the part's plan,
+    then (part 1) the extras. A command may be a function of the items run so far
+    (whole_process_best), returning (command, what it chose); "{limit}" in a command
+    becomes the seconds its item may run, less AIRBENCH_MARGIN."""
     python = [sys.executable]
     data = f"--config.data.dir={data_dir}"
     speedrun = [f"--config={SPEEDRUN}", data, *(DRY_SPEEDRUN if dry else ())]
     cifar = ["--config=configs/cifar.py", data, *(DRY_CIFAR if dry else ())]
     seed = ["--config=configs/cifar_seed_cnn.py", data, *(DRY_SEED if dry else ())]
-    runs = runs if runs is not None else (2 if dry else 10)
+
+    def seeds(count):  # --runs wins; --dry: 2
+        return f"--runs={runs if runs is not None else (2 if dry else count)}"
+
     warmup = "--warmup=0" if dry else "--warmup=1"
-    timed = [f"--runs={runs}", warmup]
     steps = "--steps=2" if dry else "--steps=20"
     # On a CPU torch.compile is off by default: the dry run switches it on, so the
     # path a GPU takes is compiled here too.
@@ -176,32 +302,55 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
     def path(name):
         return os.path.join(work, name)
 
+    def bench(name, *flags):
+        return (python + ["-m", "jaxtrain.bench", *speedrun, *flags,
+                          f"--json={path(name + '.json')}"], path(name + ".json"))
+
+    def inspect(name, *flags):
+        return bench(name, *flags, "--inspect", steps,
+                     f"--profile={path('profile/' + name.removeprefix('inspect_'))}")
+
+    def whole_process_best(done: dict):
+        chosen = best_settings(done)
+        xla = [f"--config.train.xla_flags={chosen['xla_flags']}"] if chosen["xla_flags"] else []
+        command, _ = bench("whole_process_best", *chosen["overrides"], *xla, "--runs=2",
+                           "--warmup=0", "--whole_process",
+                           f"--compilation_cache={path('xla_best')}")
+        return command, chosen
+
     commands = {
-        "speedrun": (python + ["-m", "jaxtrain.bench", *speedrun, *timed,
-                               f"--json={path('speedrun.json')}"], path("speedrun.json")),
+        "speedrun_corners": bench("speedrun_corners", *CORNERS, seeds(10), warmup),
+        "speedrun_levers": bench("speedrun_levers", *LEVERS, seeds(30), warmup),
+        "inspect_speedrun_corners": inspect("inspect_speedrun_corners", *CORNERS),
+        # Cold, as a user's first run: no compilation cache, no warm-up; the second run's
+        # seconds are the step's (the first run's include first-execution costs).
+        **{name: bench(name, *CORNERS, f"--config.train.xla_flags={flags}", "--runs=2",
+                       "--warmup=0") for name, flags in XLA_SETTINGS.items()},
+        "compare_speedrun_strong": (python + ["-m", "jaxtrain.compare", *speedrun,
+                                              *STRONG_TWIN, *torch_compile,
+                                              f"--workdir={path('compare_speedrun_strong')}"],
+                                    path("compare_speedrun_strong/compare.json")),
+        "airbench94_muon": (python + [os.path.abspath(__file__),
+                                      f"--airbench={airbench_script or AIRBENCH_SCRIPT}",
+                                      f"--airbench_dir={airbench_dir or path('airbench')}",
+                                      "--airbench_seconds={limit}",
+                                      f"--airbench_json={path('airbench94_muon.json')}"],
+                            path("airbench94_muon.json")),
+        "whole_process_best": (whole_process_best, path("whole_process_best.json")),
+        **{name: bench(name, *LEVERS, flag, seeds(10), warmup)
+           for name, flag in RECIPE_CHANGES.items()},
+        "inspect_speedrun_levers": inspect("inspect_speedrun_levers", *LEVERS),
+        **{name: bench(name, *CORNERS, flag, seeds(10), warmup)
+           for name, flag in ONE_LEVER.items()},
+        "speedrun": bench("speedrun", seeds(10), warmup),
         "compare_speedrun": (python + ["-m", "jaxtrain.compare", *speedrun,
-                                       "--frameworks=jax,torch_fast", *torch_compile,
+                                       "--frameworks=jax,torch_fast",
+                   *DEFAULT_COMPILE, *torch_compile,
                                        f"--workdir={path('compare_speedrun')}"],
                              path("compare_speedrun/compare.json")),
-        "inspect_speedrun": (python + ["-m", "jaxtrain.bench", *speedrun, "--inspect", steps,
-                                       f"--profile={path('profile/speedrun')}",
-                                       f"--json={path('inspect_speedrun.json')}"],
-                             path("inspect_speedrun.json")),
-        "speedrun_pool_corners": (
-            python + ["-m", "jaxtrain.bench", *speedrun, "--config.model.pool_impl=corners",
-                      f"--runs={min(runs, 5)}", warmup,
-                      f"--json={path('speedrun_pool_corners.json')}"],
-            path("speedrun_pool_corners.json")),
-        "inspect_speedrun_corners": (
-            python + ["-m", "jaxtrain.bench", *speedrun, "--config.model.pool_impl=corners",
-                      "--inspect", steps, f"--profile={path('profile/speedrun_corners')}",
-                      f"--json={path('inspect_speedrun_corners.json')}"],
-            path("inspect_speedrun_corners.json")),
-        "speedrun_whole_process": (
-            python + ["-m", "jaxtrain.bench", *speedrun, "--runs=1", "--warmup=0",
-                      "--whole_process", f"--compilation_cache={path('xla')}",
-                      f"--json={path('speedrun_whole_process.json')}"],
-            path("speedrun_whole_process.json")),
+        "inspect_speedrun": inspect("inspect_speedrun"),
+        "speedrun_whole_process": bench("speedrun_whole_process", "--runs=1", "--warmup=0",
+                                        "--whole_process", f"--compilation_cache={path('xla')}"),
         "cifar_train": (python + ["main.py", *cifar, f"--workdir={path('cifar')}"],
                         path("cifar/summary.json")),
         "seed_64_replicas": (
@@ -209,11 +358,13 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
                       f"--workdir={path('seed_64_replicas')}"],
             path("seed_64_replicas/summary.json")),
         "compare_seed": (python + ["-m", "jaxtrain.compare", *seed,
-                                   "--frameworks=jax,torch_fast", *torch_compile,
+                                   "--frameworks=jax,torch_fast",
+                   *DEFAULT_COMPILE, *torch_compile,
                                    f"--workdir={path('compare_seed')}"],
                          path("compare_seed/compare.json")),
         "finetune_resnet50_224": (python + ["-m", "jaxtrain.compare", *finetune,
-                                            "--frameworks=jax,torch_fast", *torch_compile,
+                                            "--frameworks=jax,torch_fast",
+                   *DEFAULT_COMPILE, *torch_compile,
                                             f"--workdir={path('finetune_resnet50_224')}"],
                                   path("finetune_resnet50_224/compare.json")),
         "resnet50_largest_batch": (
@@ -224,24 +375,79 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
                       f"--json={path('resnet50_largest_batch.json')}"],
             path("resnet50_largest_batch.json")),
         "resnet50_224": (python + ["-m", "jaxtrain.compare", *resnet,
-                                   "--frameworks=jax,torch_fast", *torch_compile,
+                                   "--frameworks=jax,torch_fast",
+                   *DEFAULT_COMPILE, *torch_compile,
                                    f"--workdir={path('resnet50_224')}"],
                          path("resnet50_224/compare.json")),
     }
-    steps_run = [step for step in PLAN + EXTRAS if step.name not in SETUP]
-    return [(step, *commands[step.name]) for step in steps_run]
+    plan, extras = PARTS[part]
+    return [(step, *commands[step.name]) for step in plan + extras if step.name not in SETUP]
+
+
+def best_settings(done: dict) -> dict:
+    """whole_process_best's settings from the items before it (h200.json's entries):
+    the levers' config when speedrun_levers reached TARGET_ACCURACY over at least 10 seeds
+    and ran faster than speedrun_corners, else corners; each compile setting that saved at
+    least MIN_COMPILE_SAVING seconds of speedrun_corners' compile without slowing its
+    second run by more than STEP_TOLERANCE of speedrun_corners' mean (of the autotuning
+    levels, the one that saved most). Returns {"config", "overrides", "xla_flags",
+    "settings", "why"}."""
+    def result(name):
+        return (done.get(name) or {}).get("result") or {}
+
+    corners, levers = result("speedrun_corners"), result("speedrun_levers")
+    chosen = {"config": "corners", "overrides": list(CORNERS), "xla_flags": "",
+              "settings": [], "why": []}
+    why = chosen["why"]
+    if not corners.get("runs"):
+        why.append("speedrun_corners has no runs: corners, XLA's default settings")
+        return chosen
+    if (len(levers.get("runs", ())) >= 10 and levers["accuracy_mean"] >= TARGET_ACCURACY
+            and levers["seconds_mean"] < corners["seconds_mean"]):
+        chosen.update(config="levers", overrides=list(LEVERS))
+        why.append(f"levers: {levers['accuracy_mean']:.2%} over {len(levers['runs'])} seeds "
+                   f"in {levers['seconds_mean']:.3f} s against corners' "
+                   f"{corners['seconds_mean']:.3f} s")
+    else:
+        why.append("corners: speedrun_levers has fewer than 10 runs, misses "
+                   f"{TARGET_ACCURACY:.2%} or is not faster")
+    saved = {}
+    for name in XLA_SETTINGS:
+        found = result(name)
+        if len(found.get("runs", ())) < 2:
+            why.append(f"{name}: not measured")
+            continue
+        saving = corners["compile_seconds"] - found["compile_seconds"]
+        slower = found["runs"][-1]["seconds"] / corners["seconds_mean"] - 1
+        keep = saving >= MIN_COMPILE_SAVING and slower <= STEP_TOLERANCE
+        if keep:
+            saved[name] = saving
+        why.append(f"{name}: compile {saving:+.1f} s saved, a run {slower:+.1%}"
+                   + (" (kept)" if keep else ""))
+    levels = [name for name in saved if name in AUTOTUNE_ITEMS]
+    best_level = max(levels, key=saved.get) if levels else None
+    chosen["settings"] = [name for name in XLA_SETTINGS if name in saved
+                          and (name not in AUTOTUNE_ITEMS or name == best_level)]
+    chosen["xla_flags"] = " ".join(XLA_SETTINGS[name] for name in chosen["settings"])
+    return chosen
 
 
 def plan_table(scale: float = 1.0) -> str:
-    """PLAN and EXTRAS as a Markdown table, with the totals: the budget on paper."""
-    rows = ["| step | cap s | expected s | yields | why here |", "| - | - | - | - | - |"]
-    for step in PLAN + EXTRAS:
-        rows.append(f"| {step.name} | {step.cap * scale:g} | {step.expected * scale:g} | "
-                    f"{step.yields} | {step.why} |")
-    caps = sum(step.cap for step in PLAN) * scale
-    expected = sum(step.expected for step in PLAN) * scale
-    rows.append(f"| all but the extras | {caps:g} | {expected:g} | | the budget is "
-                f"{BUDGET * scale:g} s |")
+    """Both parts and the extras as a Markdown table, with each part's totals: the budget
+    on paper."""
+    rows = ["| part | step | cap s | expected s | yields | why here |",
+            "| - | - | - | - | - | - |"]
+    for part, (plan, extras) in PARTS.items():
+        for step in plan:
+            rows.append(f"| {part} | {step.name} | {step.cap * scale:g} | "
+                        f"{step.expected * scale:g} | {step.yields} | {step.why} |")
+        caps = sum(step.cap for step in plan) * scale
+        expected = sum(step.expected for step in plan) * scale
+        rows.append(f"| {part} | all of part {part} | {caps:g} | {expected:g} | | its budget "
+                    f"is {BUDGETS[part] * scale:g} s |")
+        for step in extras:
+            rows.append(f"| {part}, if time is left | {step.name} | {step.cap * scale:g} | "
+                        f"{step.expected * scale:g} | {step.yields} | {step.why} |")
     return "\n".join(rows)
 
 
@@ -386,9 +592,12 @@ def preflight() -> dict:
                    "tensorboardX", "configs.cifar_speedrun", "configs.imagenet_resnet50"):
         importlib.import_module(module)
     from configs import cifar_speedrun
-    from jaxtrain import checks, compare, models, optim, prepare
+    from jaxtrain import checks, compare, models, optim, prepare, xla_flags
 
     compare.check_torch_device(info["backend"], torch.cuda.is_available(), torch.__version__)
+    # Not a failure here: an item with a flag the device's XLA lacks fails in seconds, alone.
+    info["xla_flags_unknown"] = xla_flags.unknown_names(
+        name for text in XLA_SETTINGS.values() for name, _ in xla_flags.parse(text))
     config = cifar_speedrun.get_config()
     checks.check_config(config)
     model = models.create_model(config.model, 10, checks.PRECISIONS[config.train.precision])
@@ -400,6 +609,182 @@ def preflight() -> dict:
     jax.block_until_ready(jax.jit(lambda x: (x @ x).sum()).lower(x).compile()(x))
     info["preflight"] = "ok: modules imported, the speedrun's optimiser built, a program ran"
     return info
+
+
+def write_airbench_data(batches_dir: str, folder: str) -> str:
+    """cifar-10-batches-py as airbench's cifar10/train.pt and test.pt in `folder`, the
+    layout its loader reads (what it saves from torchvision's CIFAR10 when they are
+    missing): {"images": uint8 (N, 32, 32, 3), "labels": int64 (N,), "classes": names},
+    in the batches' order."""
+    import numpy as np
+    import torch
+
+    def read(name):
+        with open(os.path.join(batches_dir, "cifar-10-batches-py", name), "rb") as f:
+            return {k.decode() if isinstance(k, bytes) else k: v
+                    for k, v in pickle.load(f, encoding="latin1").items()}
+
+    classes = [c.decode() if isinstance(c, bytes) else str(c)
+               for c in read("batches.meta")["label_names"]]
+    out = os.path.join(folder, "cifar10")
+    os.makedirs(out, exist_ok=True)
+    for split, names in (("train", [f"data_batch_{i}" for i in range(1, 6)]),
+                         ("test", ["test_batch"])):
+        batches = [read(name) for name in names]
+        images = np.concatenate([np.asarray(b["data"], np.uint8) for b in batches])
+        images = np.ascontiguousarray(images.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        labels = np.concatenate([np.asarray(b["labels"], np.int64) for b in batches])
+        torch.save({"images": torch.from_numpy(images), "labels": torch.from_numpy(labels),
+                    "classes": classes}, os.path.join(out, f"{split}.pt"))
+    return out
+
+
+AIRBENCH_COLUMNS = ("run", "epoch", "train_acc", "val_acc", "tta_val_acc", "time_seconds")
+
+
+def parse_airbench(lines) -> dict:
+    """airbench94_muon's output (or a part of it) as figures. It prints a table row per
+    epoch and one per run's end, `|  run  |  eval  |  train_acc  |  val_acc  |
+    tta_val_acc  |  time_seconds  |`, the run's name only on its first row ('warmup' for
+    the untimed first run, then 0, 1, ...); its time is the run's training, whitening
+    and TTA evaluation by CUDA events, without the per-epoch evaluations. After its 200
+    runs: `Mean: A    Std: S`."""
+    header, current, epochs, ends, mean_line = None, None, 0, [], None
+    for line in lines:
+        text = line.strip()
+        if text.startswith("Mean:"):
+            mean_line = text
+            continue
+        if not (text.startswith("|") and text.endswith("|") and len(text) > 1):
+            continue
+        cells = [cell.strip() for cell in text[1:-1].split("|")]
+        if set(AIRBENCH_COLUMNS) <= set(cells):
+            header = cells
+            continue
+        if header is None or len(cells) != len(header):
+            continue
+        row = dict(zip(header, cells))
+        if row["run"]:
+            current, epochs = row["run"], 0
+        if row["epoch"] != "eval":
+            epochs += 1
+            continue
+        try:
+            end = {"run": int(current) if current.isdigit() else current, "epochs": epochs,
+                   **{name: float(row[name]) for name in AIRBENCH_COLUMNS[2:] if row[name]}}
+        except (ValueError, AttributeError):
+            continue
+        ends.append(end)
+    runs = [end for end in ends if end["run"] != "warmup"]
+    result = {"warmup": next((end for end in ends if end["run"] == "warmup"), None),
+              "runs": runs, "finished": mean_line is not None, "mean_line": mean_line}
+    if runs:
+        accuracy = [run["tta_val_acc"] for run in runs]
+        seconds = [run["time_seconds"] for run in runs]
+        result.update(accuracy_mean=statistics.fmean(accuracy),
+                      accuracy_std=statistics.pstdev(accuracy),
+                      seconds_mean=statistics.fmean(seconds),
+                      seconds_std=statistics.pstdev(seconds),
+                      seconds_min=min(seconds), seconds_max=max(seconds))
+    return result
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def run_airbench(script: str, folder: str, seconds: float, json_path: str,
+                 stream=sys.stdout) -> int:
+    """Runs airbench94_muon.py (or its stand-in) as published, in `folder` (where it reads
+    cifar10/ and writes logs/), copying its output to `stream`; stops it with its process
+    group (torch.compile's workers too) after `seconds`; writes what it finished to
+    json_path after each run and at the end. Exit status 0 when a run finished."""
+    script = os.path.abspath(script)
+    report = {"script": script, "runs": [], "stopped_after_seconds": None}
+    if not os.path.isfile(script):
+        print(f"error: no {script}: prepare it first (benchmarks/h200.py's header: "
+              "--prepare_airbench)", file=stream, flush=True)
+        return 1
+    report.update(sha256=file_sha256(script), reviewed=file_sha256(script) == AIRBENCH_SHA256)
+    source = os.path.join(os.path.dirname(script), "source.json")
+    if os.path.isfile(source):
+        with open(source) as f:
+            report["source"] = json.load(f)
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, script], cwd=folder, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, errors="replace",
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    stopped = threading.Event()
+
+    def stop():
+        stopped.set()
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(seconds, stop)
+    timer.start()
+    lines, end_seconds = [], []  # end_seconds: when each run's last row came, from the start
+
+    def write():
+        parsed = parse_airbench(lines)
+        for end, at in zip(filter(None, [parsed["warmup"], *parsed["runs"]]), end_seconds):
+            end["wall_seconds"] = at
+        report.update(parsed, seconds=time.perf_counter() - start)
+        write_json(report, json_path)
+
+    try:
+        for line in child.stdout:
+            stream.write(line)
+            stream.flush()
+            lines.append(line.rstrip("\n"))
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) > 1 and cells[1] == "eval":
+                end_seconds.append(time.perf_counter() - start)
+                write()
+        child.wait()
+    finally:
+        timer.cancel()
+    if stopped.is_set():
+        report["stopped_after_seconds"] = seconds
+    report["exit"] = child.returncode
+    write()
+    done = len(report["runs"])
+    print(f"airbench: {done} runs read" + (f" (stopped after {seconds:g} s)" if stopped.is_set()
+                                           else f", exit {child.returncode}"),
+          file=stream, flush=True)
+    return 0 if done else 1
+
+
+def prepare_airbench(source: str, folder: str = AIRBENCH_DIR) -> str:
+    """airbench94_muon.py into `folder` (ignored by git, carried to the device) from
+    `source`: the file itself, or a clone or git mirror of KellerJordan/cifar10-airbench
+    (its AIRBENCH_COMMIT if it has it, else its HEAD); source.json beside it says
+    whence. Returns the copy's path."""
+    if os.path.isdir(source):
+        commit = AIRBENCH_COMMIT
+        found = subprocess.run(["git", "-C", source, "cat-file", "-e", f"{commit}^{{commit}}"],
+                               capture_output=True)
+        if found.returncode != 0:
+            commit = subprocess.run(["git", "-C", source, "rev-parse", "HEAD"], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+        text = subprocess.run(["git", "-C", source, "show", f"{commit}:airbench94_muon.py"],
+                              check=True, capture_output=True).stdout
+    else:
+        commit = None
+        with open(source, "rb") as f:
+            text = f.read()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "airbench94_muon.py")
+    with open(path, "wb") as f:
+        f.write(text)
+    digest = hashlib.sha256(text).hexdigest()
+    write_json({"repository": AIRBENCH_REPOSITORY, "commit": commit, "from": os.path.abspath(
+        source), "sha256": digest, "reviewed": digest == AIRBENCH_SHA256},
+        os.path.join(folder, "source.json"))
+    return path
 
 
 def parent_environment() -> dict:
@@ -465,6 +850,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"),
                         help="where h200.json and the archives go (default: $OUT)")
+    parser.add_argument("--part", type=int, choices=sorted(PARTS), default=1,
+                        help="which device call: 1 (the plan, then the extras) or 2 "
+                        "(airbench94_muon); each has its own budget")
     parser.add_argument("--data_dir", help="a folder holding cifar-10-batches-py (default: "
                         "decode .data/cifar10_jpeg.npz into a temporary folder)")
     parser.add_argument("--data_npz_dir", default=os.path.join(REPO, ".data"),
@@ -472,21 +860,43 @@ def main(argv=None) -> int:
     parser.add_argument("--wheels", default=os.path.join(REPO, ".whl"),
                         help="wheels the image lacks, installed first when present")
     parser.add_argument("--budget", type=float, default=None,
-                        help=f"seconds for everything (default {BUDGET:g}; --dry: "
+                        help=f"seconds for everything (default: the part's, "
+                        f"{' and '.join(f'{b:g}' for b in BUDGETS.values())}; --dry: "
                         f"x{DRY_CAP_SCALE:g}); an item gets at most what is left")
     parser.add_argument("--caps", default="", help="NAME=SECONDS,...: other caps for these "
                         "steps or items (default: the plan's, x10 with --dry)")
     parser.add_argument("--runs", type=int, default=None,
-                        help="timed runs of the speedrun items (default 10; --dry: 2)")
+                        help="timed runs of every speedrun item (default: each item's, 10 or "
+                        "30; --dry: 2)")
     parser.add_argument("--only", default="", help="comma-separated item names to run")
     parser.add_argument("--dry", action="store_true",
-                        help="tiny sizes, a few steps of every item: the CPU check CI runs")
+                        help="tiny sizes, a few steps of every item: the CPU check CI runs "
+                        "(the airbench item runs benchmarks/airbench_standin.py)")
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (caps, expected seconds, yields) and exit")
+    parser.add_argument("--prepare_airbench", metavar="PATH",
+                        help="copy airbench94_muon.py into .airbench/ from PATH (the file, or "
+                        "a clone or git mirror of KellerJordan/cifar10-airbench) and exit")
     parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)
+    # The airbench item's own process (run_airbench): the script, its folder, its seconds.
+    parser.add_argument("--airbench", help=argparse.SUPPRESS)
+    parser.add_argument("--airbench_dir", help=argparse.SUPPRESS)
+    parser.add_argument("--airbench_seconds", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--airbench_json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plan:
         print(plan_table(DRY_CAP_SCALE if args.dry else 1.0))
+        return 0
+    if args.prepare_airbench:
+        try:
+            path = prepare_airbench(args.prepare_airbench)
+        except (OSError, subprocess.CalledProcessError) as error:
+            print(f"error: --prepare_airbench={args.prepare_airbench}: {error}", file=sys.stderr)
+            return 1
+        with open(os.path.join(os.path.dirname(path), "source.json")) as f:
+            source = json.load(f)
+        print(f"{path}: commit {source['commit'] or '(a file)'}, sha256 {source['sha256'][:12]}"
+              + ("" if source["reviewed"] else " (not the version read for issue #40)"))
         return 0
     if args.preflight:  # the child the setup runs: one JSON line, or one error line
         try:
@@ -495,6 +905,9 @@ def main(argv=None) -> int:
             print(f"error: preflight: {type(error).__name__}: {error}".splitlines()[0])
             return 1
         return 0
+    if args.airbench:
+        return run_airbench(args.airbench, args.airbench_dir, args.airbench_seconds,
+                            args.airbench_json)
     if not args.out:
         parser.error("--out is required when $OUT is not set")
     scratch = tempfile.mkdtemp(prefix="jaxtrain-h200-")
@@ -502,12 +915,14 @@ def main(argv=None) -> int:
     start_weights = os.path.join(scratch, START_WEIGHTS)
     listed = items(args.data_dir or os.path.join(scratch, "data"),
                    os.path.join(scratch, "resnet_224.npz"), work, args.dry, args.runs,
-                   start_weights)
+                   start_weights, part=args.part,
+                   airbench_script=AIRBENCH_STANDIN if args.dry else AIRBENCH_SCRIPT)
     names = {step.name for step, *_ in listed}
     only = {name for name in args.only.split(",") if name}
     if only - names:
         parser.error(f"--only: unknown item(s) {', '.join(sorted(only - names))}; choose from "
-                     + ", ".join(step.name for step, *_ in listed))
+                     + ", ".join(step.name for step, *_ in listed)
+                     + ("" if args.part == 2 else " (part 2: airbench94_muon)"))
     try:
         caps = parse_caps(args.caps, names | set(SETUP))
     except ValueError as error:
@@ -522,15 +937,16 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
             logs: str) -> int:
     start = time.perf_counter()
     scale = DRY_CAP_SCALE if args.dry else 1.0
-    budget = args.budget if args.budget is not None else BUDGET * scale
+    budget = args.budget if args.budget is not None else BUDGETS[args.part] * scale
+    plan, extras = PARTS[args.part]
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(work)
     os.makedirs(logs)
-    results_path = os.path.join(args.out, RESULTS)
-    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dry": args.dry,
+    results_path = os.path.join(args.out, RESULTS[args.part])
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dry": args.dry, "part": args.part,
                "budget_seconds": budget, "environment": parent_environment(),
                "plan": [dict(step._asdict(), cap=caps.get(step.name, step.cap * scale))
-                        for step in PLAN + EXTRAS], "setup": {}, "items": {}}
+                        for step in plan + extras], "setup": {}, "items": {}}
     write_json(results, results_path)  # before anything can fail
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
@@ -543,12 +959,14 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
     def run_logged(step, command, record: dict) -> str:
         """Runs command under the step's cap (and what the budget has left); fills record."""
         cap, left = cap_of(step), budget - elapsed()
+        limit, why = (cap, f"its {cap:g} s cap") if cap <= left else (left, "the budget ran out")
+        command = [arg.replace("{limit}", f"{max(limit - AIRBENCH_MARGIN, 1.0):.0f}")
+                   for arg in command]
         record.update(command=" ".join(command), cap_seconds=cap)
         log_path = os.path.join(logs, f"{step.name}.log")
         if left < 5:
             record["status"] = f"skipped ({left:.0f} s of the budget left)"
             return record["status"]
-        limit, why = (cap, f"its {cap:g} s cap") if cap <= left else (left, "the budget ran out")
         record["status"], record["seconds"] = run_item(command, log_path, limit, env, why)
         if record["status"] != "ok":
             record["error"] = last_error(log_path)
@@ -561,7 +979,7 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
         return record["status"]
 
     # Setup: each step capped and recorded; a failure ends the run with the file written.
-    setup_steps = {step.name: step for step in PLAN if step.name in SETUP}
+    setup_steps = [step for step in plan if step.name in SETUP]
     site = os.path.join(scratch, "site")
     data_dir = args.data_dir or os.path.join(scratch, "data")
     commands = {
@@ -569,14 +987,12 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
         "data": None if args.data_dir else [
             sys.executable, os.path.join(args.data_npz_dir, "cifar10_jpeg.py"), "batches",
             data_dir],
-        "preflight": None,  # after the data: filled below with this file's --preflight
+        "preflight": [sys.executable, os.path.abspath(__file__), "--preflight"],
     }
-    for name in SETUP:
-        step, record = setup_steps[name], {}
+    for step in setup_steps:
+        name, record = step.name, {}
         results["setup"][name] = record
         command = commands[name]
-        if name == "preflight":
-            command = [sys.executable, os.path.abspath(__file__), "--preflight"]
         if command is None:
             record["status"] = "not needed"
         else:
@@ -586,15 +1002,6 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
             if status == "ok" and name == "preflight":
                 results["environment"]["child"] = last_json_line(
                     os.path.join(logs, "preflight.log"))
-        resnets = {"resnet50_224", "finetune_resnet50_224"}
-        if record["status"] in ("ok", "not needed") and name == "data" and (
-                not only or resnets & only):
-            try:
-                write_resnet_arrays(data_dir, os.path.join(scratch, "resnet_224.npz"), args.dry)
-                if not only or "finetune_resnet50_224" in only:
-                    write_start_weights(os.path.join(scratch, START_WEIGHTS), args.dry)
-            except (OSError, KeyError, ValueError, ImportError, pickle.UnpicklingError) as error:
-                record.update(status="failed", error=f"the 224 px arrays and weights: {error}")
         record.setdefault("seconds", 0.0)
         results["total_seconds"] = elapsed()
         write_json(results, results_path)
@@ -603,18 +1010,41 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
                   f"{record.get('error')}", flush=True)
             return 1
 
+    def prepare(step) -> str | None:
+        """What an item needs beyond the data, written before its first use; None, or
+        why it could not be."""
+        try:
+            if step.name in RESNET_ITEMS and not os.path.exists(
+                    os.path.join(scratch, "resnet_224.npz")):
+                write_resnet_arrays(data_dir, os.path.join(scratch, "resnet_224.npz"), args.dry)
+            if step.name == "finetune_resnet50_224" and not os.path.exists(
+                    os.path.join(scratch, START_WEIGHTS)):
+                write_start_weights(os.path.join(scratch, START_WEIGHTS), args.dry)
+            if step.name == "airbench94_muon":
+                write_airbench_data(data_dir, os.path.join(work, "airbench"))
+        except (OSError, KeyError, ValueError, ImportError, pickle.UnpicklingError) as error:
+            return f"preparing its inputs: {type(error).__name__}: {error}"
+        return None
+
     for step, command, json_path in listed:
         if only and step.name not in only:
             continue
         entry = {"what": step.yields}
-        run_logged(step, command, entry)
+        results["items"][step.name] = entry
+        if callable(command):  # built from the items before it
+            command, entry["chosen"] = command(results["items"])
+        failed_prepare = prepare(step)
+        if failed_prepare:
+            entry.update(command=" ".join(command), cap_seconds=cap_of(step), seconds=0.0,
+                         status="failed", error=failed_prepare)
+        else:
+            run_logged(step, command, entry)
         if os.path.exists(json_path):  # also a cut-off item's finished runs or frameworks
             with open(json_path) as f:
                 entry["result"] = json.load(f)
         traces = os.path.join(work, "profile", step.name.removeprefix("inspect_"))
-        if os.path.isdir(traces):
+        if step.name.startswith("inspect_") and os.path.isdir(traces):
             archive_trace(traces, os.path.join(args.out, f"profile_{step.name}.tar.gz"))
-        results["items"][step.name] = entry
         results["total_seconds"] = elapsed()
         write_json(results, results_path)
     failed = [name for name, entry in results["items"].items() if entry["status"] != "ok"]

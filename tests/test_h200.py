@@ -2,13 +2,17 @@
 one GPU run a loan allows does not fail on something a CPU could have caught.
 
 CI runs one item of each command the script uses (bench --inspect --profile, main.py,
-compare with torch.compile switched on, as a GPU has it), and the speedrun benchmark
-stopped at its cap. The other items' commands are the same commands with flags the test
-modules of bench, speedrun and compare run. Before a GPU loan, run every item by hand:
+compare with torch.compile switched on, as a GPU has it), the speedrun benchmark stopped
+at its cap, and part 2's airbench item against benchmarks/airbench_standin.py (airbench
+needs CUDA). The other items' commands are the same commands with flags the test
+modules of bench, speedrun, compare and the levers run. Before a GPU loan, run every
+item by hand:
     python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
+    python3 benchmarks/h200.py --dry --part=2 --data_dir=DIR --out=/tmp/h200
 """
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -18,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "h200.py"
-CI_ITEMS = ("inspect_speedrun", "compare_seed", "cifar_train")  # in the plan's order
+CI_ITEMS = ("inspect_speedrun_corners", "compare_seed", "cifar_train")  # in the plan's order
 
 
 def load_script():
@@ -59,10 +63,10 @@ def test_every_item_runs_and_reports_its_figures(dry_run):
         assert entry["cap_seconds"] == 10 * next(step.cap for step in script.PLAN + script.EXTRAS
                                                  if step.name == name)
 
-    inspected = items["inspect_speedrun"]["result"]
+    inspected = items["inspect_speedrun_corners"]["result"]
     assert inspected["kernels_per_step"] > 0 and inspected["flops_per_step"] > 0
     assert 0 < len(inspected["profile"]["top_ops"]) <= 10
-    with tarfile.open(out / "profile_inspect_speedrun.tar.gz") as tar:
+    with tarfile.open(out / "profile_inspect_speedrun_corners.tar.gz") as tar:
         assert any(n.endswith(".xplane.pb") for n in tar.getnames())
     assert 0 <= items["cifar_train"]["result"]["test_accuracy"] <= 1
     assert inspected["flops_source"] == "lowered program"
@@ -145,22 +149,153 @@ def test_a_failing_setup_step_is_recorded_before_any_item(broken, tmp_path):
 
 def test_the_plan_adds_up_and_benchmarks_md_shows_it():
     h200 = load_script()
-    assert sum(step.cap for step in h200.PLAN) == h200.BUDGET
-    assert sum(step.expected for step in h200.PLAN) < 0.85 * h200.BUDGET
-    assert all(step.expected < step.cap for step in h200.PLAN + h200.EXTRAS)
-    names = [step.name for step, *_ in h200.items("D", "A", "W", dry=False)]
-    assert names == [s.name for s in h200.PLAN + h200.EXTRAS if s.name not in h200.SETUP]
-    # Dropped as duplicates: the same network as the speedrun's, the jax row of
-    # compare_seed, the article's PyTorch (measured: 82.6 s).
-    assert not {"inspect_cifar", "seed_single"} & set(names)
+    # Two device calls: 540 + 200 s of items and the machine's start fit a 900 s loan.
+    assert h200.BUDGETS == {1: 540, 2: 200} and h200.BUDGET == h200.BUDGETS[1]
+    for part, (plan, extras) in h200.PARTS.items():
+        assert sum(step.cap for step in plan) == h200.BUDGETS[part]
+        assert all(step.expected < step.cap for step in plan + extras)
+        names = [step.name for step, *_ in h200.items("D", "A", "W", dry=False, part=part)]
+        assert names == [s.name for s in plan + extras if s.name not in h200.SETUP]
+    plan = h200.PLAN
+    assert sum(step.expected for step in plan) < 0.85 * h200.BUDGET
+    names = [step.name for step in plan if step.name not in h200.SETUP]
+    # The issue's order: the speedrun first, the compile A/B, the strongest twin; airbench
+    # last, alone in part 2 (its cold compile ~160 s), after the data alone.
+    assert names[:2] == ["speedrun_corners", "speedrun_levers"]
+    assert names[-1] == "compare_speedrun_strong"
+    assert [s.name for s in h200.PLAN_2] == ["data", "airbench94_muon"]
+    assert {name for name in h200.XLA_SETTINGS if name != "compile_autotune_2"} <= set(names)
+    commands = {step.name: command for step, command, _ in h200.items("D", "A", "W", dry=False)}
+    levers = " ".join(commands["speedrun_levers"])
+    assert all(flag in levers for flag in h200.LEVERS) and "--runs=30" in levers
+    assert "--runs=10" in " ".join(commands["speedrun_corners"])
+    for name, flags in h200.XLA_SETTINGS.items():  # cold, first and second run
+        assert commands[name][-4:-1] == [f"--config.train.xla_flags={flags}", "--runs=2",
+                                         "--warmup=0"]
+    assert "--frameworks=torch_fast" in commands["compare_speedrun_strong"]
+    # What the first loan measured is an extra now; dropped as duplicates earlier: the
+    # speedrun's network inspected twice, the jax row of compare_seed, the article's PyTorch.
+    extras = [step.name for step in h200.EXTRAS]
+    assert extras[0] == "whole_process_best" and "speedrun" in extras
+    assert not {"inspect_cifar", "seed_single", "speedrun_pool_corners"} & set(names + extras)
     assert "torch_article" not in " ".join(" ".join(c) for _, c, _ in h200.items(
-        "D", "A", "W", dry=False))
-    # The first loan (benchmarks/results/h200.json) settled the epoch count; what it measured
-    # already runs after what it could not reach.
-    assert not [name for name in names if name.endswith("_epochs")]
-    assert names.index("compare_seed") < names.index("seed_64_replicas")
-    assert names.index("resnet50_largest_batch") < names.index("cifar_train")
+        "D", "A", "W", dry=False) if not callable(c))
+    assert not [name for name in names + extras if name.endswith("_epochs")]
     assert h200.plan_table() in (REPO / "BENCHMARKS.md").read_text()
+
+
+def test_the_best_settings_come_from_the_items_before(tmp_path):
+    h200 = load_script()
+
+    def bench(compile_seconds, runs):
+        return {"result": {"compile_seconds": compile_seconds, "runs": [
+            {"seconds": s, "test_accuracy": a} for s, a in runs],
+            "seconds_mean": sum(s for s, _ in runs) / len(runs),
+            "accuracy_mean": sum(a for _, a in runs) / len(runs)}}
+
+    done = {"speedrun_corners": bench(30.0, [(1.30, 0.907)] * 10),
+            "speedrun_levers": bench(40.0, [(1.00, 0.9075)] * 30),
+            "compile_no_triton_gemm": bench(25.0, [(1.40, 0.9), (1.304, 0.9)]),  # kept
+            "compile_parallel_llvm": bench(29.5, [(1.40, 0.9), (1.30, 0.9)]),  # saves < 1 s
+            "compile_autotune_1": bench(20.0, [(1.40, 0.9), (1.30, 0.9)]),  # kept
+            "compile_autotune_0": bench(10.0, [(3.00, 0.9), (2.90, 0.9)]),  # slows the step
+            "compile_autotune_2": bench(22.0, [(1.40, 0.9), (1.29, 0.9)])}  # level 1 saves more
+    chosen = h200.best_settings(done)
+    assert chosen["config"] == "levers" and chosen["overrides"] == list(h200.LEVERS)
+    assert chosen["settings"] == ["compile_no_triton_gemm", "compile_autotune_1"]
+    assert chosen["xla_flags"] == ("--xla_gpu_enable_triton_gemm=false "
+                                   "--xla_gpu_autotune_level=1")
+    # The levers below the target, or too few of them: corners; nothing measured: defaults.
+    done["speedrun_levers"] = bench(40.0, [(1.00, 0.9)] * 30)
+    assert h200.best_settings(done)["config"] == "corners"
+    assert h200.best_settings({}) == {"config": "corners", "overrides": list(h200.CORNERS),
+                                      "xla_flags": "", "settings": [], "why": [
+                                          "speedrun_corners has no runs: corners, XLA's "
+                                          "default settings"]}
+    # The item's command carries the choice.
+    listed = {step.name: command for step, command, _ in h200.items("D", "A", str(tmp_path),
+                                                                     dry=False)}
+    command, chosen = listed["whole_process_best"](done)
+    assert chosen["config"] == "corners" and "--whole_process" in command
+    assert ("--config.train.xla_flags=--xla_gpu_enable_triton_gemm=false "
+            "--xla_gpu_autotune_level=1") in command
+
+
+# airbench94_muon's output as it prints it (two finished runs, a third cut off).
+AIRBENCH_LINES = """\
+---------------------------------------------------------------------------------
+|  run     |  epoch  |  train_acc  |  val_acc  |  tta_val_acc  |  time_seconds  |
+---------------------------------------------------------------------------------
+|  warmup  |      0  |     0.1030  |   0.1000  |               |        9.1000  |
+|          |   eval  |     0.1030  |   0.1000  |       0.1000  |       12.5000  |
+---------------------------------------------------------------------------------
+|       0  |      0  |     0.5000  |   0.6000  |               |        0.2000  |
+|          |      1  |     0.7000  |   0.8000  |               |        0.4000  |
+|          |   eval  |     0.9000  |   0.9050  |       0.9070  |        1.4700  |
+---------------------------------------------------------------------------------
+AUTOTUNE mm(2000x256, 256x10)
+|       1  |      0  |     0.5000  |   0.6000  |               |        0.2000  |
+|          |   eval  |     0.9000  |   0.9040  |       0.9080  |        1.3100  |
+---------------------------------------------------------------------------------
+|       2  |      0  |     0.5000  |   0.6000  |               |        0.2000  |
+|          |      1  |""".splitlines()
+
+
+def test_airbenchs_output_is_read_run_by_run():
+    h200 = load_script()
+    parsed = h200.parse_airbench(AIRBENCH_LINES)
+    assert parsed["warmup"]["tta_val_acc"] == 0.1 and parsed["finished"] is False
+    assert [(r["run"], r["epochs"], r["tta_val_acc"], r["time_seconds"]) for r in parsed[
+        "runs"]] == [(0, 2, 0.907, 1.47), (1, 1, 0.908, 1.31)]
+    assert parsed["accuracy_mean"] == pytest.approx(0.9075)
+    assert (parsed["seconds_min"], parsed["seconds_max"]) == (1.31, 1.47)
+    done = h200.parse_airbench(AIRBENCH_LINES[:-2] + ["Mean: 0.9075    Std: 0.0007"])
+    assert done["finished"] and done["mean_line"] == "Mean: 0.9075    Std: 0.0007"
+
+
+def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(cifar_batches_dir,
+                                                                         tmp_path):
+    """Part 2, dry: the stand-in reads the cifar10/*.pt the item wrote (its accuracy is above
+    chance only if images and labels line up) and prints airbench's table; the item stops
+    it before its cap and h200_part2.json holds every run it finished."""
+    env = dict(os.environ, AIRBENCH_STANDIN_EPOCH_SECONDS="0.02")
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--part=2",
+                             f"--data_dir={cifar_batches_dir}", f"--out={tmp_path}",
+                             "--caps=airbench94_muon=18"], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "h200_part2.json").read_text())
+    assert report["part"] == 2 and list(report["setup"]) == ["data"]
+    entry = report["items"]["airbench94_muon"]
+    assert entry["status"] == "ok" and "--airbench_seconds=13" in entry["command"]
+    found = entry["result"]
+    assert found["stopped_after_seconds"] == 13 and not found["finished"]
+    assert found["sha256"] and found["reviewed"] is False  # the stand-in, not airbench
+    runs = found["runs"]
+    assert len(runs) >= 3 and [run["run"] for run in runs] == list(range(len(runs)))
+    assert all(run["epochs"] == 8 and 0.15 < run["tta_val_acc"] < 1 for run in runs)
+    assert found["warmup"]["wall_seconds"] < runs[0]["wall_seconds"] < 13
+    assert found["seconds_mean"] == pytest.approx(
+        sum(run["time_seconds"] for run in runs) / len(runs))
+
+
+def test_airbench_is_prepared_from_a_clone_or_a_file(tmp_path):
+    h200 = load_script()
+    repo = tmp_path / "cifar10-airbench"
+    repo.mkdir()
+    (repo / "airbench94_muon.py").write_text("print('airbench')\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "airbench94_muon.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    path = h200.prepare_airbench(str(repo), str(tmp_path / "out"))
+    assert Path(path).read_text() == "print('airbench')\n"
+    source = json.loads((tmp_path / "out" / "source.json").read_text())
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert source["commit"] == head.strip() and source["reviewed"] is False  # not f1c599c
+    h200.prepare_airbench(path, str(tmp_path / "again"))  # the file itself
+    assert json.loads((tmp_path / "again" / "source.json").read_text())["commit"] is None
+    assert "/.airbench/" in (REPO / ".gitignore").read_text().splitlines()
 
 
 def test_an_unknown_item_is_a_one_line_usage_error(tmp_path):
@@ -168,4 +303,4 @@ def test_an_unknown_item_is_a_one_line_usage_error(tmp_path):
                              "--only=speedrun,sppedrun"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "error: --only: unknown item(s) sppedrun; choose from speedrun," in result.stderr
+    assert "error: --only: unknown item(s) sppedrun; choose from speedrun_corners," in result.stderr
