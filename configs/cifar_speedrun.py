@@ -24,7 +24,8 @@ after the first few steps); the filters are renormalised after each step, not
 before it.
 
 On one H200 with the shared JPEG (q75) copy: 90.71% +- 0.15 over 10 seeds in 1.370 s
-a run, 1.53x faster than the same recipe in PyTorch there (BENCHMARKS.md).
+a run (BENCHMARKS.md, with the levers issue #40 built for the 1.0 s target: each a
+key of this recipe, off here until a GPU has timed it).
 """
 from configs import cifar, default
 
