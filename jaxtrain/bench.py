@@ -81,7 +81,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxtrain import (data, hlo, models, onednn, parallel, prepare, profile, report,  # noqa: E402
-                      train)
+                      train, xla_flags)
 from jaxtrain.errors import ConfigError, TrainingError  # noqa: E402
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets,
@@ -437,7 +437,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
         "process_seconds": time.time() - PROCESS_START,
         "backend": backend, "device_kind": device_kind, "devices": mesh.size,
         "compilation_cache": jax.config.jax_compilation_cache_dir,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # as XLA read them (train.xla_flags added)
+        "xla_flags": xla_flags.in_effect(),
         "dataset": run.dataset.origin, "jax_version": jax.__version__,
         "date": time.strftime("%Y-%m-%d"), "finished": False,
     }

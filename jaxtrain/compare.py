@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from jaxtrain import augment as augment_lib
-from jaxtrain import data, loop, models, prepare, report, user_model
+from jaxtrain import data, loop, models, prepare, report, user_model, xla_flags
 from jaxtrain.errors import ConfigError, TrainingError
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
@@ -791,7 +791,7 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
               "batch_size": config.train.batch_size, "dataset": dataset.origin,
               "config": config.to_dict(),
               "timing": {framework: TIMING[framework] for framework in frameworks},
-              "xla_flags": os.environ.get("XLA_FLAGS", ""),  # with train.xla_flags added
+              "xla_flags": xla_flags.in_effect(),
               "results": []}
     for framework in frameworks:
         print(f"--- {framework}", flush=True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxtrain import (actions, callbacks as callbacks_lib, checkpoint, checks, memory, models,
                       optim, parallel, phases, prepare, replicas, report, signals, supervise,
-                      train, user_model, xla_cache)
+                      train, user_model, xla_cache, xla_flags)
 from jaxtrain.errors import ConfigError
 
 PROFILE_DIR = actions.PROFILE_DIR
@@ -322,7 +322,7 @@ def summarize(session: Session) -> dict:
         "eval_seconds": eval_seconds,
         "compile_seconds": session.compile_seconds,
         "compilation_cache": session.cache_dir,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # as XLA read them (train.xla_flags added)
+        "xla_flags": xla_flags.in_effect(),
         "data_placement": run.placement,
         "input_wait_fraction": (session.wait_seconds / session.chunk_seconds
                                 if session.chunk_seconds else 0.0),
