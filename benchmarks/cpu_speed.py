@@ -60,18 +60,18 @@ def load_config(path: str, overrides: dict, cifar_dir: str):
 
 def run_recipe(name: str, cifar_dir: str, workdir: str) -> dict:
     """One round of one recipe: {framework: (training seconds, test accuracy)}."""
-    from jaxtrain import compare
+    from jaxtrain.baselines import runner
     path, overrides, frameworks = RECIPES[name]
     seconds = {}
     torch_side = [f for f in frameworks if f.startswith("torch")]
-    output = compare.run(load_config(path, overrides, cifar_dir), ["jax", *torch_side],
-                         os.path.join(workdir, name))
+    output = runner.run(load_config(path, overrides, cifar_dir), ["jax", *torch_side],
+                        os.path.join(workdir, name))
     for result in output["results"]:
         seconds[result["framework"]] = (result["train_seconds"] - result["eval_seconds"],
                                         result["test_accuracy"])
     for variant in (f for f in frameworks if f in VARIANTS):
         config = load_config(path, {**overrides, **VARIANTS[variant]}, cifar_dir)
-        output = compare.run(config, ["jax"], os.path.join(workdir, f"{name}_{variant}"))
+        output = runner.run(config, ["jax"], os.path.join(workdir, f"{name}_{variant}"))
         result = output["results"][0]
         seconds[variant] = (result["train_seconds"] - result["eval_seconds"],
                             result["test_accuracy"])
@@ -123,7 +123,8 @@ def jax_step_seconds(name: str, pool_impl: str, conv_impl: str) -> float:
     import jax
     import jax.numpy as jnp
 
-    from jaxtrain import defaults, models
+    from jaxtrain import models
+    from jaxtrain.config import defaults
     shape = STEP_MODELS[name]
     config = defaults.get_config().model
     config.name, config.pool_impl, config.conv_impl = name, pool_impl, conv_impl
@@ -148,7 +149,8 @@ def jax_step_seconds(name: str, pool_impl: str, conv_impl: str) -> float:
 def torch_step_seconds(name: str, channels_last: bool) -> float:
     import torch
 
-    from jaxtrain import defaults, torch_models
+    from jaxtrain.baselines import torch_models
+    from jaxtrain.config import defaults
     shape = STEP_MODELS[name]
     config = defaults.get_config().model
     config.name = name

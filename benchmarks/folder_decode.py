@@ -40,6 +40,7 @@ from PIL import Image
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from jaxtrain.data.folder import load_folder  # noqa: E402  (imported before any timing)
+
 SCRIPT = os.path.join(os.path.dirname(REPO), 'shared', 'data', 'cifar10_jpeg.py')
 DEFAULT_DIR = os.path.join(tempfile.gettempdir(), 'jaxtrain_bench', 'cifar10_folder')
 EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.webp')

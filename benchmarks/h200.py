@@ -587,14 +587,19 @@ def preflight() -> dict:
                      "device": (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                                 else None)}
     sys.path.insert(0, REPO)
-    for module in ("main", "jaxtrain.bench", "jaxtrain.compare", "jaxtrain.loop",
-                   "jaxtrain.torch_models", "jaxtrain.torch_optim", "ml_collections",
+    for module in ("main", "jaxtrain.bench", "jaxtrain.compare", "jaxtrain.run.loop",
+                   "jaxtrain.baselines.torch_models", "jaxtrain.baselines.torch_optim",
+                   "ml_collections",
                    "tensorboardX", "configs.cifar_speedrun", "configs.imagenet_resnet50"):
         importlib.import_module(module)
     from configs import cifar_speedrun
-    from jaxtrain import checks, compare, models, optim, prepare, xla_flags
+    from jaxtrain import models
+    from jaxtrain.baselines import runner
+    from jaxtrain.config import checks
+    from jaxtrain.runtime import xla_flags
+    from jaxtrain.training import optim, prepare
 
-    compare.check_torch_device(info["backend"], torch.cuda.is_available(), torch.__version__)
+    runner.check_torch_device(info["backend"], torch.cuda.is_available(), torch.__version__)
     # Not a failure here: an item with a flag the device's XLA lacks fails in seconds, alone.
     info["xla_flags_unknown"] = xla_flags.unknown_names(
         name for text in XLA_SETTINGS.values() for name, _ in xla_flags.parse(text))

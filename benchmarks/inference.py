@@ -47,8 +47,8 @@ def images_64px(data_dir: str, n: int):
 
 
 def short_run(npz: str, model: str, workdir: str):
-    from jaxtrain import loop
-    from jaxtrain.defaults import get_config
+    from jaxtrain.config.defaults import get_config
+    from jaxtrain.run import loop
     config = get_config()
     config.data.name, config.data.dir = "arrays", npz
     config.model.name = model
@@ -66,19 +66,20 @@ def servers(workdir: str, config, files: str):
     import torch
 
     import jaxtrain
-    from jaxtrain import export, torch_models
+    from jaxtrain.baselines import torch_models
+    from jaxtrain.inference import exporters
 
     classifier = jaxtrain.restore(workdir)
     ways = {"predict": lambda images: classifier.predict(images)[1]}
 
     stablehlo = os.path.join(files, "model.stablehlo")
-    export.save(classifier, "stablehlo", stablehlo, platforms=("cpu",))
+    exporters.save(classifier, "stablehlo", stablehlo, platforms=("cpu",))
     with open(stablehlo, "rb") as f:
         call = jax.jit(jax.export.deserialize(bytearray(f.read())).call)
     ways["stablehlo"] = lambda images: np.asarray(call(images))
 
     onnx_file = os.path.join(files, "model.onnx")
-    export.save(classifier, "onnx", onnx_file)
+    exporters.save(classifier, "onnx", onnx_file)
     session = onnxruntime.InferenceSession(onnx_file, providers=["CPUExecutionProvider"])
     ways["onnxruntime"] = lambda images: session.run(None, {"images": images})[0]
 

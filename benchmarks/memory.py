@@ -8,7 +8,7 @@
 Table mode (default): for each model (--models; default resnet50 at 128 px and vit_base,
 the largest ViT, at 128 px), batch --batch_size (64) on every device there is, five
 settings: baseline; train.accumulate_steps=4; model.remat; parallel.fsdp=<devices>; all
-three. Per device: the step's arguments, temporaries and peak bytes (jaxtrain/memory.py),
+three. Per device: the step's arguments, temporaries and peak bytes (jaxtrain/perf/memory.py),
 the parameter and state bytes, and the step's time: the median of --steps timed steps
 (after one untimed) of the compiled step on a real initialised state, one setting after
 another (a ViT-B state on 8 devices is GBs); step times are ratios within one run.
@@ -52,7 +52,7 @@ def random_arrays(path: str, image_size: int, n_train: int, n_test: int = 16) ->
 
 def config_for(npz: str, model: str, batch_size: int, precision: str, accumulate_steps=1,
                remat=False, fsdp=1):
-    from jaxtrain.defaults import get_config
+    from jaxtrain.config.defaults import get_config
     config = get_config()
     config.data.name, config.data.dir = "arrays", npz
     config.model.name, config.model.remat = model, remat
@@ -71,14 +71,16 @@ class TimedStep:
     def __init__(self, config):
         import jax
 
-        from jaxtrain import memory, parallel, prepare
+        from jaxtrain.perf import memory
+        from jaxtrain.runtime import mesh
+        from jaxtrain.training import prepare
         run = prepare.setup(config, prepare.create_mesh(config))  # initialised, laid out
         self.compiled, _ = memory.compile_step(config, run)
         self.state = run.state
         batch = config.train.batch_size
-        sharding = parallel.batch_sharded(run.mesh)
-        self.images = parallel.put(run.dataset.x_train[:batch], sharding)
-        self.labels = parallel.put(run.dataset.y_train[:batch], sharding)
+        sharding = mesh.batch_sharded(run.mesh)
+        self.images = mesh.put(run.dataset.x_train[:batch], sharding)
+        self.labels = mesh.put(run.dataset.y_train[:batch], sharding)
         self.key = jax.random.key(0)
 
     def __call__(self) -> float:
@@ -92,7 +94,7 @@ class TimedStep:
 def table(args) -> dict:
     import jax
 
-    from jaxtrain import memory
+    from jaxtrain.perf import memory
     devices = jax.device_count()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +146,7 @@ def table(args) -> dict:
 def largest(args) -> dict:
     import jax
 
-    from jaxtrain import memory
+    from jaxtrain.perf import memory
     limit = memory.device_limit_bytes()
     if limit is None:
         if not args.limit_gib:

@@ -1,5 +1,5 @@
 """Issue #18's premise, probed at the chunk level: N runs trained together by jax.vmap
-(train.compile_chunks(replicas=True)) against the same N runs one after another.
+(chunks.compile_chunks(replicas=True)) against the same N runs one after another.
 
     python3 benchmarks/replicas_probe.py --data_dir=DIR [--replicas=8] [--json=PATH]
 
@@ -21,7 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import cifar_seed_cnn, fashion_mnist_mlp  # noqa: E402
-from jaxtrain import models, prepare, train  # noqa: E402
+from jaxtrain import models
+from jaxtrain.training import chunks, prepare  # noqa: E402
 
 RECIPES = (("seed_cnn", cifar_seed_cnn, 500), ("mlp", fashion_mnist_mlp, 468))
 
@@ -40,15 +41,15 @@ def probe(module, steps: int, replicas: int, data_dir: str) -> dict:
     if config.data.name == "cifar10":
         config.data.dir, config.data.source = data_dir, "files"
     run = prepare.setup(config)
-    kind = train.resolve_loop("auto", models.xla_convolutions(config.model))
+    kind = chunks.resolve_loop("auto", models.xla_convolutions(config.model))
     step_kwargs = prepare.step_arguments(config, run)
     x_train, y_train = prepare.put_train_data(run)
     together = jax.tree.map(lambda leaf: jnp.stack([leaf] * replicas), run.state)
     keys = jnp.stack([run.data_key] * replicas)
-    single = train.compile_chunks(kind, run.state, x_train, y_train, run.data_key, {steps},
-                                  step_kwargs)
-    many = train.compile_chunks(kind, together, x_train, y_train, keys, {steps}, step_kwargs,
-                                replicas=True)
+    single = chunks.compile_chunks(kind, run.state, x_train, y_train, run.data_key, {steps},
+                                   step_kwargs)
+    many = chunks.compile_chunks(kind, together, x_train, y_train, keys, {steps}, step_kwargs,
+                                 replicas=True)
     one = best_seconds(single, run.state, run.data_key, steps)
     vmapped = best_seconds(many, together, keys, steps)
     return {"loop": kind, "steps": steps, "replicas": replicas,

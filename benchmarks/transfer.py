@@ -54,7 +54,7 @@ def split_arrays(dataset, classes, per_class=None):
 
 
 def recipe(npz: str, model: str, steps: int, batch_size: int, seed: int, lr: float):
-    from jaxtrain.defaults import get_config
+    from jaxtrain.config.defaults import get_config
     config = get_config()
     config.seed = seed
     config.data.name = "arrays"
@@ -96,7 +96,8 @@ def main():
 
     import jax
 
-    from jaxtrain import data, loop
+    from jaxtrain import data
+    from jaxtrain.run import loop
     started = time.time()
     cifar = data.load("cifar10", "files", args.data_dir)
     work = args.workdir or tempfile.mkdtemp(prefix="transfer_")
@@ -123,7 +124,7 @@ def main():
                 config.model.init_from = pretrain_dir
                 config.model.init_from_exclude = f"{HEADS[args.model]}/.*"
             if way == "frozen":
-                from jaxtrain.defaults import param_group
+                from jaxtrain.config.defaults import param_group
                 config.optimizer.groups.backbone = param_group(f"(?!{HEADS[args.model]}/).*",
                                                                freeze=True)
                 config.model.freeze_batch_stats = True

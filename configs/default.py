@@ -1,3 +1,3 @@
-"""The defaults every recipe here starts from: jaxtrain/defaults.py, which lists every key
+"""The defaults every recipe here starts from: jaxtrain/config/defaults.py, which lists every key
 with a comment. They live in the package so that an installed jaxtrain has them too."""
-from jaxtrain.defaults import callback, get_config, param_group  # noqa: F401
+from jaxtrain.config.defaults import callback, get_config, param_group  # noqa: F401

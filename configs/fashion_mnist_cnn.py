@@ -1,9 +1,10 @@
 """Fashion-MNIST with a narrow cifar_cnn (BatchNorm CNN) on 1-channel 28x28 images.
 
-Sized for the 10-minute CPU budget: widths (16, 32, 64) trained at about 42 s an
-epoch on this project's 2-core CPU with XLA's convolutions, against 104-110 s for
-(24, 48, 96) or (32, 64, 128); with oneDNN's (model.conv_impl='auto') 300 steps, 1.3
-epochs, take 9 s (benchmarks/results/cpu_speed.json).
+Sized for the 10-minute CPU budget (at least 93% in under 10 minutes of training on this
+project's 2-core CPU): widths (16, 32, 64) rather than (24, 48, 96) or (32, 64, 128). The
+epoch times that chose them, and the recipe's result:
+BENCHMARKS.md#the-recipes-trained-and-side-by-side-with-pytorch-2026-11-30; with oneDNN's
+convolutions (model.conv_impl='auto'): BENCHMARKS.md#convolutional-nets-on-the-cpu-issue-32.
 """
 from configs import default
 

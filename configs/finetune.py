@@ -12,8 +12,8 @@ or timm state_dict), a .safetensors file, or another jaxtrain run's workdir.
 
 The recipe: SGD with Nesterov momentum at lr 0.01 for the backbone and 10x that for
 the new head, 10% linear warm-up then cosine decay, label smoothing 0.1, flips and
-16-pixel shifts, 10 epochs at 224 px in bfloat16. data.image_size=160 trains about
-twice as fast for a point or two of accuracy. A linear probe (only the head trains):
+16-pixel shifts, 10 epochs at 224 px in bfloat16. data.image_size=160 has about half the
+pixels to compute on, usually at some cost in accuracy. A linear probe (only the head trains):
 --config.optimizer.groups.backbone.freeze=True --config.model.freeze_batch_stats=True.
 """
 from configs import default

@@ -27,6 +27,8 @@ from ml_collections import config_flags
 
 import jaxtrain
 from jaxtrain.cli import parse_flags, usage_error
+from jaxtrain.run import evaluate_checkpoint
+from jaxtrain.runtime import processes, signals
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
@@ -72,7 +74,7 @@ def eval_config(workdir: str):
         for part in key.split("."):
             node = node[part]
         overrides[key] = node
-    config = jaxtrain.evaluation.run_config(workdir, overrides)
+    config = evaluate_checkpoint.run_config(workdir, overrides)
     if config is None:
         return FLAGS.config
     print(f"evaluating with the run's config ({os.path.join(workdir, 'config.json')})"
@@ -84,23 +86,24 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep the console to the training table
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    jaxtrain.signals.raise_on_signals()
+    signals.raise_on_signals()
     workdir = FLAGS.workdir
     if workdir is None:
         workdir = default_workdir()
         print(f"workdir: {workdir} (--workdir not given: runs/<config file name>)", flush=True)
     try:
-        jaxtrain.parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+        peers = processes.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                                      FLAGS.process_id, peer_timeout=FLAGS.peer_timeout)
         if FLAGS.mode == "eval":
-            jaxtrain.evaluate_checkpoint(eval_config(workdir), workdir, FLAGS.checkpoint)
+            evaluate_checkpoint.evaluate_checkpoint(eval_config(workdir), workdir,
+                                                    FLAGS.checkpoint)
         else:
             jaxtrain.train_and_evaluate(FLAGS.config, workdir, start_time=START_TIME,
-                                        profile_steps=FLAGS.profile)
+                                        profile_steps=FLAGS.profile, peers=peers)
     except jaxtrain.Interrupted as error:
         print(f"stopped: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        jaxtrain.parallel.release_service()  # every process stops at this step together
+        processes.release_service()  # every process stops at this step together
         # the shell's convention for "killed by signal N"; os._exit: no interpreter teardown
         # racing XLA's threads (a compile cut short left some running)
         os._exit(128 + error.signum)
@@ -115,12 +118,12 @@ def run():
     """The `jaxtrain` command: absl parses the flags (one-line errors), then main.
 
     A process of a multi-process run runs as the child of a small parent
-    (jaxtrain/supervise.py) that outlives a native end in a collective. The process
+    (jaxtrain/runtime/supervise.py) that outlives a native end in a collective. The process
     then ends without Python's interpreter teardown: everything is written and closed
     by now (and atexit's handlers, such as jax.distributed's shutdown, still run),
     while tearing down XLA's and TensorStore's objects took ~1.4 s here that
     summary.json could not account for."""
-    from jaxtrain import supervise
+    from jaxtrain.runtime import supervise
     if supervise.wanted(sys.argv[1:]):
         sys.stdout.flush()
         os._exit(supervise.run())

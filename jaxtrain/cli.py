@@ -5,7 +5,6 @@ import sys
 
 from absl import flags
 
-
 USAGE_ERROR = 2  # a command or config that cannot work (a failed run exits 1)
 
 
@@ -41,11 +40,11 @@ def parse_flags(argv):
 
 def apply_xla_flags() -> None:
     """The config's train.xla_flags into XLA_FLAGS, now: nothing has started JAX yet, and
-    XLA reads the variable once, when it starts (jaxtrain/xla_flags.py)."""
+    XLA reads the variable once, when it starts (jaxtrain/runtime/xla_flags.py)."""
     if "config" not in flags.FLAGS or flags.FLAGS.config is None:
         return
-    from jaxtrain import xla_flags
     from jaxtrain.errors import ConfigError
+    from jaxtrain.runtime import xla_flags
     train = flags.FLAGS.config.get("train") or {}
     try:
         xla_flags.apply(train.get("xla_flags", ""))
@@ -81,18 +80,19 @@ def set_model_kwargs(config, kwargs: dict) -> None:
     as text. Anything wrong is a one-line usage error."""
     import ast
 
-    from jaxtrain import checks, user_model
+    from jaxtrain.config import checks
+    from jaxtrain.models import user
     name = config.model.name
     flag = KWARGS_FLAG + next(iter(kwargs))
-    if not user_model.is_user_model(name):
+    if not user.is_user_model(name):
         usage_error(f"{flag}: model.kwargs are the arguments of a model of your own "
                     f"(model.name='package.module:Class'); model.name={name!r} is built in "
-                    "and takes model.* keys (jaxtrain/defaults.py)")
+                    "and takes model.* keys (jaxtrain/config/defaults.py)")
     try:
-        cls = user_model.import_model_class(name)
+        cls = user.import_model_class(name)
     except ValueError as error:
         usage_error(str(error))
-    names, any_name = user_model.argument_names(cls)
+    names, any_name = user.argument_names(cls)
     for key in kwargs:
         if not any_name and key not in names:
             nearest = checks.nearest_name(key, names)
@@ -138,7 +138,7 @@ def check_config_flag(argv) -> None:
         folder = os.path.dirname(file) or "."
         recipes = sorted(n for n in os.listdir(folder) if n.endswith(".py")
                          and not n.startswith("_")) if os.path.isdir(folder) else []
-        from jaxtrain.checks import nearest_name
+        from jaxtrain.config.checks import nearest_name
         nearest = nearest_name(os.path.basename(file), recipes)
         hint = (f" (did you mean {os.path.join(folder, nearest)}?)" if nearest
                 else f" (in {folder}: {', '.join(recipes)})" if recipes else "")
@@ -147,7 +147,7 @@ def check_config_flag(argv) -> None:
 
 def unknown_override(argv, error) -> str:
     """The message for an override of a key the config file lacks."""
-    from jaxtrain import checks
+    from jaxtrain.config import checks
     config = load_config_file(argv)
     overrides = [arg[len("--config."):].split("=")[0] for arg in argv
                  if arg.startswith("--config.")]
@@ -157,7 +157,7 @@ def unknown_override(argv, error) -> str:
             if not has_key(config, key):
                 return str(checks.unknown_key_error(key, known))
     missing = str(error).strip("\"'")
-    return f"unknown config key {missing!r} (jaxtrain/defaults.py lists every key)"
+    return f"unknown config key {missing!r} (jaxtrain/config/defaults.py lists every key)"
 
 
 def load_config_file(argv):

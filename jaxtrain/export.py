@@ -1,255 +1,17 @@
 """A trained run as a file other programs run: `python -m jaxtrain.export WORKDIR
 --format=onnx|stablehlo --out=FILE [--batch=N]`.
 
-The exported function is the whole classifier: uint8 NHWC images of the run's
-size in, float32 class probabilities out, with the normalisation inside,
-BatchNorm in inference mode and TTA off unless --tta names one. The batch
-dimension is dynamic unless --batch fixes it. FILE.json beside it says what goes
-in and comes out, the class names and the run it came from.
-
-- stablehlo: `jax.export` serialised, the weights inside as constants; any JAX
-  program loads it with `jax.export.deserialize(bytes).call(images)`, no Flax or
-  jaxtrain needed. Lowered for the CPU and CUDA GPUs unless --platforms says.
-- onnx: through jax2onnx (the `export` extra), for onnxruntime and the other
-  ONNX runtimes. An operation jax2onnx cannot convert is one line naming it.
-"""
-import contextlib
-import io
-import json
-import logging
-import os
-import re
-import sys
-import tempfile
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxtrain.errors import ConfigError
-
-FORMATS = ("onnx", "stablehlo")
-PLATFORMS = ("cpu", "cuda")  # what a StableHLO export is lowered for by default
-ONNX_OPSET = 23
-JAX2ONNX_VERSIONS = "jax2onnx 0.12.5"  # what the `export` extra pins (0.13-0.17 pin an older orbax)
-
-
-class ExportError(ConfigError):
-    """The model cannot be exported as asked; the message says what to change."""
-
-
-def with_lax_convolutions(state):
-    """state whose model computes its convolutions with lax's (model.conv_impl='xla'):
-    oneDNN's custom calls exist only in a process that loaded jaxtrain, so neither a
-    StableHLO file nor ONNX could hold them. The same function (tests/test_onednn.py)."""
-    model = getattr(state.apply_fn, "__self__", None)
-    if getattr(model, "conv_impl", "xla") != "xla":
-        state = state.replace(apply_fn=model.clone(conv_impl="xla").apply)
-    return state
-
-
-def probabilities_function(classifier, tta: str = "none"):
-    """images uint8 (N, H, W, C) -> float32 probabilities (N, classes): the classifier's
-    own prediction (the same jitted code as Classifier.predict, with lax's convolutions),
-    its weights closed over so that an exporter writes them into the file."""
-    state = with_lax_convolutions(classifier.state)
-
-    def probabilities(images):
-        return classifier.probabilities(state, images, tta=tta)
-
-    return probabilities
-
-
-def input_spec(classifier, batch: int | None, symbolic):
-    """The exported function's argument: uint8 (batch, H, W, C); batch None: `symbolic`."""
-    if batch is not None and batch < 1:
-        raise ExportError(f"--batch={batch}: must be >= 1 (or left out for a dynamic batch)")
-    return jax.ShapeDtypeStruct((symbolic if batch is None else batch,
-                                 *classifier.image_shape), jnp.uint8)
-
-
-def to_stablehlo(classifier, batch: int | None = None, tta: str = "none",
-                 platforms=PLATFORMS) -> bytes:
-    """The serialised jax.export.Exported of probabilities_function."""
-    batch_dim, = jax.export.symbolic_shape("batch")
-    function = jax.jit(probabilities_function(classifier, tta))
-    try:
-        exported = jax.export.export(function, platforms=tuple(platforms))(
-            input_spec(classifier, batch, batch_dim))
-    except Exception as error:  # a user's model that will not lower for a platform
-        raise ExportError(f"StableHLO export for {', '.join(platforms)} failed: "
-                          f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
-    return bytes(exported.serialize())
-
-
-def to_onnx(classifier, batch: int | None = None, tta: str = "none") -> bytes:
-    """The ONNX model (opset ONNX_OPSET) of probabilities_function, through jax2onnx.
-
-    Inputs 'images' (uint8 NHWC), output 'probabilities'. jax2onnx 0.12.5 leaves
-    stale NHWC shapes in the graph's value_info for some tensors it turned NCHW (a
-    ResNet's residual adds); onnxruntime's shape inference then refuses the model,
-    so the intermediate value_info is dropped: runtimes infer those shapes anyway.
-    """
-    try:
-        import jax2onnx
-        import onnx
-    except ImportError as error:
-        raise ExportError(f"--format=onnx needs jax2onnx and onnx ({error.name} is missing): "
-                          "pip install 'jaxtrain[export]'") from None
-    spec = input_spec(classifier, batch, "batch")
-    with quiet_exporter():
-        try:
-            model = jax2onnx.to_onnx(probabilities_function(classifier, tta), [spec],
-                                     model_name="jaxtrain", opset=ONNX_OPSET,
-                                     input_names=["images"], output_names=["probabilities"])
-        except Exception as error:
-            raise ExportError(onnx_failure(error)) from error
-    del model.graph.value_info[:]
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
-
-def onnx_failure(error: Exception) -> str:
-    """One line for a jax2onnx failure, naming the operation when it says which."""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    missing = re.search(r"primitive '([^']+)'", message)
-    if missing:
-        return (f"ONNX export: {JAX2ONNX_VERSIONS} cannot convert the operation "
-                f"'{missing.group(1)}' this model uses (--format=stablehlo takes nearly "
-                "every JAX operation)")
-    return f"ONNX export failed in jax2onnx: {type(error).__name__}: {message}"
-
-
-@contextlib.contextmanager
-def quiet_exporter():
-    """jax2onnx logs a warning per plugin that does not import with this JAX (for
-    libraries jaxtrain does not use), onnx_ir one per untyped constant, and 0.12.5's
-    Conv plugin prints DEBUG lines to stdout: noise here, and stdout is the user's."""
-    loggers = [logging.getLogger(name) for name in ("jax2onnx", "onnx_ir")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-def check_writable(out: str) -> None:
-    """Fails before any work if `out` cannot be written (creating a file beside it)."""
-    directory = os.path.dirname(os.path.abspath(out)) or "."
-    if os.path.isdir(out):
-        raise ExportError(f"--out={out} is a folder; name the file to write")
-    if not os.path.isdir(directory):
-        raise ExportError(f"--out={out}: no folder {directory} to write it in")
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".jaxtrain-export-")
-    except OSError as error:
-        raise ExportError(f"--out={out}: cannot write in {directory} "
-                          f"({error.strerror or error})") from None
-    os.close(fd)
-    os.remove(probe)
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """A complete file or none: written beside `path`, then renamed over it."""
-    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                     prefix=".jaxtrain-export-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        raise
-
-
-def describe(classifier, format: str, out: str, batch, tta: str, platforms) -> dict:
-    """FILE.json: what the exported function takes and gives, and where it came from."""
-    workdir = classifier.workdir
-    summary, config = {}, {}
-    for name, into in (("summary.json", summary), ("config.json", config)):
-        with contextlib.suppress(OSError, ValueError, TypeError):  # TypeError: no workdir
-            with open(os.path.join(workdir, name)) as f:
-                into.update(json.load(f))
-    description = {
-        "format": format,
-        "file": os.path.basename(out),
-        "input": {"name": "images", "dtype": "uint8", "layout": "NHWC",
-                  "shape": [batch, *classifier.image_shape]},  # null: any batch size
-        "output": {"name": "probabilities", "dtype": "float32",
-                   "shape": [batch, len(classifier.class_names)],
-                   "meaning": "class probabilities (softmax); class_names[i] is class i"},
-        "class_names": list(classifier.class_names),
-        "preprocessing": {"inside": "x / 255, minus mean, divided by std, per channel",
-                          "mean": list(classifier.mean), "std": list(classifier.std),
-                          "files": f"resize {classifier.resize!r} to "
-                                   f"{classifier.image_shape[1]}x{classifier.image_shape[0]}, "
-                                   f"{classifier.image_shape[2]} channels (data/folder.py)"},
-        "tta": tta,
-        "precision": classifier.precision,
-        "run": {"workdir": workdir and os.path.abspath(workdir), "step": classifier.step,
-                "model": config.get("model", {}).get("name"), "weights": classifier.weights,
-                "replica": classifier.replica,
-                "test_accuracy": summary.get("test_accuracy")},
-        "exporter": {"jax": jax.__version__},
-    }
-    if format == "stablehlo":
-        description["platforms"] = list(platforms)
-        description["load"] = "jax.export.deserialize(open(FILE, 'rb').read()).call(images)"
-    else:
-        from importlib import metadata
-        description["exporter"].update(jax2onnx=metadata.version("jax2onnx"), opset=ONNX_OPSET)
-        description["load"] = ("onnxruntime.InferenceSession(FILE).run(None, "
-                               "{'images': images})[0]")
-    return description
-
-
-def export(workdir: str, format: str, out: str, batch: int | None = None, *,
-           checkpoint: str | None = None, tta: str = "none", weights: str = "raw",
-           precision: str = "float32", platforms=PLATFORMS) -> dict:
-    """Writes the run's classifier to `out` (and `out`.json) and returns that JSON."""
-    from jaxtrain import predict
-    check_format(format, precision)
-    check_writable(out)
-    # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
-    classifier = predict.restore_for(workdir, checkpoint, weights, tta, precision,
-                                     pool_impl="xla")
-    return save(classifier, format, out, batch, tta, platforms)
-
-
-def check_format(format: str, precision: str) -> None:
-    if format not in FORMATS:
-        raise ExportError(f"--format={format}: must be one of {', '.join(FORMATS)}")
-    if format == "onnx" and precision != "float32":
-        raise ExportError("--format=onnx exports float32 (onnxruntime's CPU kernels have "
-                          "no bfloat16 arithmetic); --precision=bfloat16 is for stablehlo")
-
-
-def save(classifier, format: str, out: str, batch: int | None = None, tta: str = "none",
-         platforms=PLATFORMS) -> dict:
-    """Writes a restored classifier (jaxtrain.restore) to `out` and `out`.json."""
-    check_format(format, classifier.precision)
-    check_writable(out)
-    if format == "stablehlo":
-        data = to_stablehlo(classifier, batch, tta, platforms)
-    else:
-        data = to_onnx(classifier, batch, tta)
-    description = describe(classifier, format, out, batch, tta, platforms)
-    description["bytes"] = len(data)
-    write_atomically(out, data)
-    write_atomically(out + ".json", (json.dumps(description, indent=1) + "\n").encode())
-    return description
+What the exported function takes and gives, and the two formats:
+jaxtrain/inference/exporters.py."""
+from jaxtrain.inference import exporters
 
 
 def main(argv):
     from absl import flags
     from absl import logging as absl_logging
-    from jaxtrain import checkpoint
+
     from jaxtrain.cli import usage_error
+    from jaxtrain.training import checkpoint
     FLAGS = flags.FLAGS
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax's restore logs a page at INFO
     if len(argv) != 2:
@@ -257,10 +19,11 @@ def main(argv):
                     "--out=FILE [--batch=N]")
     platforms = tuple(p.strip() for p in FLAGS.platforms.split(",") if p.strip())
     try:
-        description = export(argv[1], FLAGS.format, FLAGS.out, FLAGS.batch,
-                             checkpoint=FLAGS.checkpoint, tta=FLAGS.tta, weights=FLAGS.weights,
-                             precision=FLAGS.precision, platforms=platforms)
-    except (ExportError, checkpoint.CheckpointError, ValueError) as error:
+        description = exporters.export(argv[1], FLAGS.format, FLAGS.out, FLAGS.batch,
+                                       checkpoint=FLAGS.checkpoint, tta=FLAGS.tta,
+                                       weights=FLAGS.weights, precision=FLAGS.precision,
+                                       platforms=platforms)
+    except (exporters.ExportError, checkpoint.CheckpointError, ValueError) as error:
         usage_error(str(error).splitlines()[0])
     batch = "a dynamic batch" if FLAGS.batch is None else f"batch {FLAGS.batch}"
     print(f"wrote {FLAGS.out} ({description['bytes'] / 1e6:.1f} MB, {FLAGS.format}, {batch} of "
@@ -270,7 +33,7 @@ def main(argv):
 
 def define_flags():
     from absl import flags
-    flags.DEFINE_enum("format", None, list(FORMATS), "onnx (onnxruntime) or stablehlo "
+    flags.DEFINE_enum("format", None, list(exporters.FORMATS), "onnx (onnxruntime) or stablehlo "
                       "(jax.export).")
     flags.DEFINE_string("out", None, "The file to write; FILE.json is written beside it.")
     flags.DEFINE_integer("batch", None, "A fixed batch size (default: dynamic).")
@@ -280,13 +43,14 @@ def define_flags():
     flags.DEFINE_enum("weights", "raw", ["raw", "ema"], "ema: a train.ema_decay run's average.")
     flags.DEFINE_enum("precision", "float32", ["float32", "bfloat16"],
                       "What the exported model computes in (onnx: float32 only).")
-    flags.DEFINE_string("platforms", ",".join(PLATFORMS), "stablehlo: the platforms to "
+    flags.DEFINE_string("platforms", ",".join(exporters.PLATFORMS), "stablehlo: the platforms to "
                         "lower for, comma-separated (cpu, cuda, rocm, tpu).")
     flags.mark_flags_as_required(["format", "out"])
 
 
 if __name__ == "__main__":
     from absl import app
+
     from jaxtrain import predict
     define_flags()
     app.run(main, flags_parser=predict.parse_flags)

@@ -21,7 +21,7 @@ FAILED = 1  # exit status: some files could not be classified (the rest were)
 def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None,
                 pool_impl=None):
     """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)."""
-    from jaxtrain import inference
+    from jaxtrain.inference import classifier as classifier_lib
     step, which = None, "latest"
     if checkpoint_flag == "best":
         which = "best"
@@ -30,12 +30,12 @@ def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, p
             raise ValueError(f"--checkpoint={checkpoint_flag}: expected a step number or 'best'")
         step = int(checkpoint_flag)
         check_step(workdir, step)
-    return inference.restore(workdir, step=step, which=which, weights=weights, tta=tta,
-                             precision=precision, pool_impl=pool_impl)
+    return classifier_lib.restore(workdir, step=step, which=which, weights=weights, tta=tta,
+                                  precision=precision, pool_impl=pool_impl)
 
 
 def check_step(workdir: str, step: int) -> None:
-    from jaxtrain import checkpoint
+    from jaxtrain.training import checkpoint
     saved = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
     if step not in saved:
         raise checkpoint.CheckpointError(
@@ -55,7 +55,7 @@ def format_json(path: str, label: int, top: list[tuple[str, float]], class_names
 
 
 def main(argv):
-    from jaxtrain import checkpoint
+    from jaxtrain.training import checkpoint
     logging.set_verbosity(logging.WARNING)  # Orbax's restore logs a page at INFO
     if len(argv) < 3:
         usage_error("usage: python -m jaxtrain.predict WORKDIR PATH... [--top=3] "

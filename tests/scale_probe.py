@@ -14,8 +14,11 @@ import sys
 import jax
 import numpy as np
 
-from jaxtrain import loop, memory, parallel, report
-from jaxtrain.defaults import get_config
+from jaxtrain.config.defaults import get_config
+from jaxtrain.perf import memory
+from jaxtrain.run import loop
+from jaxtrain.runtime import mesh as mesh_lib
+from jaxtrain.runtime import report
 
 
 def config_for(spec: dict):
@@ -42,7 +45,7 @@ def config_for(spec: dict):
 
 def captured_state(workdir: str):
     """The final state of the run in `workdir`, as its layout left it on the devices."""
-    from jaxtrain import checkpoint, prepare
+    from jaxtrain.training import checkpoint, prepare
     config = config_for(json.loads(open(f"{workdir}/spec.json").read()))
     mesh = prepare.create_mesh(config)
     run = prepare.setup(config, mesh, abstract_state=True)
@@ -68,7 +71,7 @@ def main(spec_path: str, out_path: str):
         losses = {row["step"]: row["train_loss"] for row in rows if "train_loss" in row}
         summary = json.loads(open(f"{run['workdir']}/{report.SUMMARY_FILE}").read())
         state = captured_state(run["workdir"])
-        held = parallel.bytes_per_device({"params": state.params, "opt": state.opt_state})
+        held = mesh_lib.bytes_per_device({"params": state.params, "opt": state.opt_state})
         total = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(
             {"params": state.params, "opt": state.opt_state}))
         out["runs"][run["name"]] = {

@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import augment
+from jaxtrain.training import augment
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""model.bn_impl='lean' (jaxtrain/batchnorm.py) against Flax's nn.BatchNorm: the same
+"""model.bn_impl='lean' (jaxtrain/models/ops/batchnorm.py) against Flax's nn.BatchNorm: the same
 forward numbers and running averages, gradients within rounding, the same variables,
 and no float32 activation-sized tensor kept for a bfloat16 backward pass."""
 import flax.linen as nn
@@ -8,7 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain import batchnorm, checks, defaults, models
+from jaxtrain import models
+from jaxtrain.config import checks, defaults
+from jaxtrain.models.ops import batchnorm
 
 KEY = jax.random.key(0)
 FLAVOURS = [dict(), dict(use_scale=False), dict(use_bias=False)]

@@ -9,13 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import cifar_seed_cnn
-import jax
-import jax.numpy as jnp
-
-from jaxtrain import bench, hlo, onednn, report
+from jaxtrain import bench
+from jaxtrain.models.ops import onednn
+from jaxtrain.perf import benchmark, hlo, inspection
+from jaxtrain.runtime import report
 
 REPO = Path(__file__).resolve().parents[1]
 MLP_OVERRIDES = ("--config=configs/cifar_seed_cnn.py", "--config.model.name=mlp",
@@ -43,8 +45,8 @@ def run(module_args, env=None):
 def test_a_benchmark_run_is_the_run_main_py_makes(cifar_batches_dir, tmp_path):
     """Same config and seed: the one-program run ends where `python main.py` ends."""
     out = io.StringIO()
-    result = bench.benchmark(mlp_config(cifar_batches_dir), runs=2, warmup=0, first_seed=3,
-                             stream=out)
+    result = benchmark.benchmark(mlp_config(cifar_batches_dir), runs=2, warmup=0, first_seed=3,
+                                 stream=out)
     assert [r["seed"] for r in result["runs"]] == [3, 4]
     assert result["runs"][0]["test_accuracy"] != result["runs"][1]["test_accuracy"]
     assert all(r["seconds"] > 0 and r["nonfinite_steps"] == 0 for r in result["runs"])
@@ -84,7 +86,7 @@ def test_a_diverging_recipe_is_reported_not_averaged(cifar_batches_dir):
 
 def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches_dir, tmp_path):
     config = mlp_config(cifar_batches_dir)
-    info = bench.inspect(config, steps=3, profile_dir=str(tmp_path / "profile"))
+    info = inspection.inspect(config, steps=3, profile_dir=str(tmp_path / "profile"))
     forward = 2 * (32 * 32 * 3 * 64 + 64 * 32 + 32 * 10)  # multiply-adds of the dense layers
     # backward: weight gradients of every layer (1x forward) and input gradients of all
     # but the first (whose input is the data): about 2.1x forward in all, plus elementwise
@@ -119,19 +121,19 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
     # The same trace by kernel name (on a CPU: the host thunks' names), costliest first.
     kernels = table["kernels"]
     assert kernels["traced_steps"] == 3 and kernels["distinct_kernels"] >= len(
-        kernels["top_kernels"]) > 0 and len(kernels["top_kernels"]) <= bench.TOP_KERNELS
+        kernels["top_kernels"]) > 0 and len(kernels["top_kernels"]) <= inspection.TOP_KERNELS
     per_step = [row["seconds_per_step"] for row in kernels["top_kernels"]]
     assert per_step == sorted(per_step, reverse=True) and per_step[-1] > 0
     assert kernels["kernel_seconds_per_step"] == pytest.approx(table["op_seconds_per_step"])
     assert all(row["calls_per_step"] > 0 and row["hlo_ops"] >= 1 and row["top_hlo_op"]
                for row in kernels["top_kernels"])
     # The step's optimised HLO beside the trace: the program whose kernels were counted.
-    assert info["hlo_file"] == str(tmp_path / "profile" / bench.HLO_FILE)
+    assert info["hlo_file"] == str(tmp_path / "profile" / inspection.HLO_FILE)
     with gzip.open(info["hlo_file"], "rt") as f:
         text = f.read()
     assert "ENTRY" in text and dict(hlo.kernel_counts(text)) == info["kernels"]
     out = io.StringIO()
-    bench.print_inspection(info, "configs/x.py", out)
+    inspection.print_inspection(info, "configs/x.py", out)
     assert "XLA kernels per step:" in out.getvalue() and "TFLOP/s" in out.getvalue()
     assert f"top {len(table['top_ops'])} of {table['distinct_ops']} XLA ops" in out.getvalue()
     assert table["top_ops"][0]["op"] in out.getvalue()
@@ -143,8 +145,8 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
 def test_where_xla_counts_no_flops_the_jaxpr_s_matrix_work_is_reported(cifar_batches_dir,
                                                                         monkeypatch):
     """jax 0.11.2 on the H200 gave an empty cost analysis: the report must not say 0."""
-    monkeypatch.setattr(bench, "cost", lambda program: {})
-    info = bench.inspect(mlp_config(cifar_batches_dir), steps=2, repeats=1)
+    monkeypatch.setattr(inspection, "cost", lambda program: {})
+    info = inspection.inspect(mlp_config(cifar_batches_dir), steps=2, repeats=1)
     assert info["flops_source"] == "jaxpr (matrix products and convolutions)"
     assert info["flops_per_step"] == info["matmul_flops_per_step"] > 0
     assert info["achieved_tflops_per_device"] > 0
@@ -152,13 +154,13 @@ def test_where_xla_counts_no_flops_the_jaxpr_s_matrix_work_is_reported(cifar_bat
 
 def test_matmul_flops_counts_products_convolutions_loops_and_branches():
     x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
-    assert bench.matmul_flops(jax.make_jaxpr(jnp.dot)(x, w)) == 2 * 8 * 16 * 4
+    assert inspection.matmul_flops(jax.make_jaxpr(jnp.dot)(x, w)) == 2 * 8 * 16 * 4
     looped = jax.make_jaxpr(lambda x, w: jax.lax.scan(
         lambda c, _: (c, jnp.dot(c, w)), x, None, length=3)[1])(x, w)
-    assert bench.matmul_flops(looped) == 3 * 2 * 8 * 16 * 4
+    assert inspection.matmul_flops(looped) == 3 * 2 * 8 * 16 * 4
     branch = jax.make_jaxpr(lambda p, x, w: jax.lax.cond(
         p, lambda: jnp.dot(x, w).sum(), lambda: x.sum()))(True, x, w)
-    assert bench.matmul_flops(branch) == 2 * 8 * 16 * 4
+    assert inspection.matmul_flops(branch) == 2 * 8 * 16 * 4
     images, kernel = jnp.ones((2, 9, 9, 3)), jnp.ones((3, 3, 3, 5))  # NHWC, HWIO, 'SAME'
 
     def conv_loss(impl):
@@ -166,15 +168,15 @@ def test_matmul_flops_counts_products_convolutions_loops_and_branches():
         return lambda x, k: conv(x, k, (1, 1), "SAME", dimension_numbers=onednn.NHWC).sum()
 
     forward = 2 * (2 * 9 * 9 * 5) * (3 * 3 * 3)
-    assert bench.matmul_flops(jax.make_jaxpr(conv_loss("xla"))(images, kernel)) == forward
+    assert inspection.matmul_flops(jax.make_jaxpr(conv_loss("xla"))(images, kernel)) == forward
     # forward, input gradient and kernel gradient: three times the forward's work, whether
     # lax's convolutions or oneDNN's FFI calls do it; without the value, the forward of
     # this linear loss is dead code and not counted
     for impl in ("xla", "onednn"):
         both = jax.value_and_grad(conv_loss(impl), argnums=(0, 1))
-        assert bench.matmul_flops(jax.make_jaxpr(both)(images, kernel)) == 3 * forward, impl
+        assert inspection.matmul_flops(jax.make_jaxpr(both)(images, kernel)) == 3 * forward, impl
         grads = jax.grad(conv_loss(impl), argnums=(0, 1))
-        assert bench.matmul_flops(jax.make_jaxpr(grads)(images, kernel)) == 2 * forward, impl
+        assert inspection.matmul_flops(jax.make_jaxpr(grads)(images, kernel)) == 2 * forward, impl
 
 
 def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_dir, tmp_path):
@@ -195,34 +197,35 @@ def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_
 
 
 def test_the_one_program_run_splits_its_epochs_at_the_cuts():
-    """train.drop_finished_groups in bench.whole_run: (epoch, first step, steps, whole
+    """train.drop_finished_groups in benchmark.whole_run: (epoch, first step, steps, whole
     epochs) pieces, scanned epochs between partial ones, no piece across a cut."""
     stem = frozenset({"Conv_0/bias"})
-    assert bench.phases(30, {}) == [(0, 30, frozenset())]
-    assert bench.phases(30, {15: stem, 40: frozenset({"x"})}) == [
+    assert benchmark.phases(30, {}) == [(0, 30, frozenset())]
+    assert benchmark.phases(30, {15: stem, 40: frozenset({"x"})}) == [
         (0, 15, frozenset()), (15, 30, stem)]
-    assert bench.pieces(0, 30, 10) == [(0, 0, 10, 3)]  # today's program: one scan
-    assert bench.pieces(0, 15, 10) == [(0, 0, 10, 1), (1, 0, 5, 0)]
-    assert bench.pieces(15, 30, 10) == [(1, 5, 5, 0), (2, 0, 10, 1)]
-    assert bench.pieces(75, 200, 25) == [(3, 0, 25, 5)]  # the speedrun's stem bias
-    assert bench.pieces(3, 8, 10) == [(0, 3, 5, 0)]
-    assert bench.pieces(5, 47, 10) == [(0, 5, 5, 0), (1, 0, 10, 3), (4, 0, 7, 0)]
+    assert benchmark.pieces(0, 30, 10) == [(0, 0, 10, 3)]  # today's program: one scan
+    assert benchmark.pieces(0, 15, 10) == [(0, 0, 10, 1), (1, 0, 5, 0)]
+    assert benchmark.pieces(15, 30, 10) == [(1, 5, 5, 0), (2, 0, 10, 1)]
+    assert benchmark.pieces(75, 200, 25) == [(3, 0, 25, 5)]  # the speedrun's stem bias
+    assert benchmark.pieces(3, 8, 10) == [(0, 3, 5, 0)]
+    assert benchmark.pieces(5, 47, 10) == [(0, 5, 5, 0), (1, 0, 10, 3), (4, 0, 7, 0)]
     for begin, end in ((0, 7), (3, 40), (12, 12), (9, 31)):  # every step once, in order
-        steps = [epoch * 10 + first + i for epoch, first, n, epochs in bench.pieces(begin, end, 10)
+        steps = [epoch * 10 + first + i
+                 for epoch, first, n, epochs in benchmark.pieces(begin, end, 10)
                  for i in range(n * max(epochs, 1))]
         assert steps == list(range(begin, end))
 
 
 def test_peak_table_and_process_clock():
-    assert bench.peak_tflops("NVIDIA H200") == 989.4
-    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
-    assert bench.peak_tflops("cpu") is None
+    assert inspection.peak_tflops("NVIDIA H200") == 989.4
+    assert inspection.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert inspection.peak_tflops("cpu") is None
     assert time.time() - 3600 < bench.PROCESS_START <= time.time()
 
 
 def test_runs_zero_compiles_only(cifar_batches_dir):
     out = io.StringIO()
-    result = bench.benchmark(mlp_config(cifar_batches_dir), runs=0, warmup=0, stream=out)
+    result = benchmark.benchmark(mlp_config(cifar_batches_dir), runs=0, warmup=0, stream=out)
     assert result["runs"] == [] and "accuracy_mean" not in result
     assert 0 < result["compile_seconds"] < result["process_seconds"]
     assert out.getvalue().splitlines()[-1].startswith("compile ")
@@ -301,7 +304,7 @@ def test_a_gpu_trace_is_read_from_the_device_plane_s_xla_ops_line():
     the device's op line only, so kernels and host events are not counted twice."""
     from types import SimpleNamespace as Obj
 
-    from jaxtrain import profile
+    from jaxtrain.perf import profile
 
     def event(name, ns, **stats):
         return Obj(name=name, duration_ns=ns, stats=list(stats.items()))

@@ -1,4 +1,4 @@
-"""jaxtrain/callbacks.py and the loop's actions: user callbacks see every row and
+"""jaxtrain/callbacks/ and the loop's actions: user callbacks see every row and
 evaluation once (also across a SIGKILL and resume), StopTraining and EarlyStopping stop
 a run cleanly (also a two-process one, at one step), a failing callback is one line."""
 import json
@@ -11,12 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from overrides import with_overrides
 
 from configs import cifar_seed_cnn
-from jaxtrain import callbacks, checkpoint, checks, loop, report
-from jaxtrain.defaults import callback
+from jaxtrain.callbacks import base, early_stopping
+from jaxtrain.config import checks
+from jaxtrain.config.defaults import callback
 from jaxtrain.errors import ConfigError
-from overrides import with_overrides
+from jaxtrain.run import callbacks, loop
+from jaxtrain.runtime import report
+from jaxtrain.training import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -92,18 +96,18 @@ def test_early_stopping_stops_where_its_rule_says(mlp_reference, cifar_batches_d
 
 
 def test_early_stopping_on_accuracy_and_train_metrics():
-    stop = callbacks.EarlyStopping(monitor="test_accuracy", patience=1)
+    stop = early_stopping.EarlyStopping(monitor="test_accuracy", patience=1)
     assert stop.mode == "max"
     stop.on_evaluation(10, {"test_accuracy": 0.5})
     stop.on_evaluation(20, {"test_accuracy": 0.6})
-    with pytest.raises(callbacks.StopTraining, match=r"best 0\.6 at step 20"):
+    with pytest.raises(base.StopTraining, match=r"best 0\.6 at step 20"):
         stop.on_evaluation(30, {"test_accuracy": 0.6})
-    replicated = callbacks.EarlyStopping(monitor="train_loss", patience=1)
+    replicated = early_stopping.EarlyStopping(monitor="train_loss", patience=1)
     replicated.on_evaluation(10, {"train_loss": [1.0, 3.0]})  # the mean over replicas: 2.0
-    with pytest.raises(callbacks.StopTraining):
+    with pytest.raises(base.StopTraining):
         replicated.on_evaluation(20, {"train_loss": [2.5, 1.5]})
     with pytest.raises(ValueError, match="no metric 'test_los'"):
-        callbacks.EarlyStopping(monitor="test_los").on_evaluation(1, {"test_loss": 1.0})
+        early_stopping.EarlyStopping(monitor="test_los").on_evaluation(1, {"test_loss": 1.0})
 
 
 def test_callbacks_from_python_and_the_config_run_in_order(cifar_batches_dir, tmp_path):
@@ -114,7 +118,7 @@ def test_callbacks_from_python_and_the_config_run_in_order(cifar_batches_dir, tm
                         checkpoint__every_steps=20)
     config.callbacks.record = callback("recording_callback:Recorder", path=str(path))
 
-    class Order(callbacks.Callback):
+    class Order(base.Callback):
         def on_rows(self, rows):
             recording_callback.append(path, {"event": "python", "step": rows[-1]["step"]})
 
@@ -155,8 +159,8 @@ def test_config_errors_name_the_callback(cifar_batches_dir):
 def write_config(path: Path, **entries) -> Path:
     """A config file: the seed recipe on the test subset, with callbacks `entries`
     (name -> (class, kwargs))."""
-    lines = ["from configs import cifar_seed_cnn", "from jaxtrain.defaults import callback", "",
-             "def get_config():", "    config = cifar_seed_cnn.get_config()"]
+    lines = ["from configs import cifar_seed_cnn",
+             "from jaxtrain.config.defaults import callback", "", "def get_config():", "    config = cifar_seed_cnn.get_config()"]
     for name, (cls, kwargs) in entries.items():
         lines.append(f"    config.callbacks.{name} = callback({cls!r}, **{kwargs!r})")
     lines.append("    return config")

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from configs import cifar_seed_cnn
-from jaxtrain import checks, defaults, loop
+from jaxtrain.config import checks, defaults
 from jaxtrain.errors import ConfigError
+from jaxtrain.run import loop
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "main.py")
@@ -49,7 +50,7 @@ def test_an_unknown_key_on_the_command_line_names_the_nearest(tmp_path):
 def test_an_unknown_key_in_ones_own_config_file_is_refused(tmp_path):
     """`c.optimizer.lr = 0.01` used to train at the default 0.1, silently."""
     recipe = tmp_path / "my_recipe.py"
-    recipe.write_text("from jaxtrain.defaults import get_config as defaults\n\n\n"
+    recipe.write_text("from jaxtrain.config.defaults import get_config as defaults\n\n\n"
                       "def get_config():\n    c = defaults()\n    c.optimizer.lr = 0.01\n"
                       "    return c\n")
     result = run_main(f"--config={recipe}", f"--workdir={tmp_path / 'run'}")
@@ -163,7 +164,7 @@ DRIVER = """
 import json, os, runpy, sys, tempfile, traceback
 CASES, MAIN = json.loads(sys.argv[1]), sys.argv[2]
 import absl.app, flax, jax, ml_collections, optax, orbax.checkpoint
-import jaxtrain.cli, jaxtrain.loop
+import jaxtrain.cli, jaxtrain.run.loop
 results = []
 for workdir, override in CASES:
     argv = [MAIN, "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
@@ -201,7 +202,7 @@ ANY_VALUE = ("data.dir", "train.compilation_cache", "seed", "logging.mlflow", "l
 
 
 def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
-    """For every key of jaxtrain/defaults.py, through main.py's own parsing and main():
+    """For every key of jaxtrain/config/defaults.py, through main.py's own parsing and main():
     exactly one `error:` line, no traceback, exit status 2, nothing written."""
     # (optimizer.groups and callbacks hold entries of their own, checked in their tests)
     keys = [k for k in checks.flat_keys(defaults.get_config())
@@ -439,7 +440,7 @@ def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir
     recipe = tmp_path / "elsewhere" / "my_recipe.py"
     recipe.parent.mkdir()
     recipe.write_text(
-        "from jaxtrain.defaults import get_config as jaxtrain_defaults\n\n\n"
+        "from jaxtrain.config.defaults import get_config as jaxtrain_defaults\n\n\n"
         "def get_config():\n    config = jaxtrain_defaults()\n"
         "    config.model.name = 'seed_cnn'\n    config.train.batch_size = 50\n"
         "    config.train.num_steps = 4\n    config.data.mean = (0.5,)\n"
@@ -482,9 +483,9 @@ def test_a_signal_while_a_checkpoint_is_written_stops_after_it(cifar_batches_dir
     step = int(lines[0].split("at step ")[1].split(";")[0])
     saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
     assert step == saved[-1] and all(not p.name.endswith("tmp") for p in checkpoints.iterdir())
-    from jaxtrain import checkpoint as ckpt
-    manager = ckpt.create_manager(str(checkpoints), create=False)
+    from jaxtrain.training import checkpoint
+    manager = checkpoint.create_manager(str(checkpoints), create=False)
     try:
-        assert ckpt.read_meta(manager, step)["step"] == step
+        assert checkpoint.read_meta(manager, step)["step"] == step
     finally:
         manager.close()

@@ -10,14 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 import torch  # in requirements.txt: these tests must run, not skip
 
-from configs import cifar, cifar_seed_cnn, default  # noqa: E402
-from configs import cifar_speedrun  # noqa: E402
-from jaxtrain import (augment, compare, data, models, optim, prepare, torch_models,  # noqa: E402
-                      torch_optim, train)
-from overrides import with_overrides  # noqa: E402
+from configs import cifar, cifar_seed_cnn, cifar_speedrun, default
+from jaxtrain import data, models
+from jaxtrain.baselines import runner, torch_models, torch_optim
+from jaxtrain.models import whitening
+from jaxtrain.training import augment, evaluation, optim, prepare, train_state
+from jaxtrain.training import step as step_lib
+from overrides import with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,13 +45,13 @@ def comparison(cifar_batches_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("compare")
     config = seed_config(cifar_batches_dir, augment__flip=True, augment__translate=2,
                          eval__tta="flip_translate")
-    return workdir, compare.run(config, compare.FRAMEWORKS, str(workdir))
+    return workdir, runner.run(config, runner.FRAMEWORKS, str(workdir))
 
 
 def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
     workdir, output = comparison
-    written = json.loads((workdir / compare.JSON_FILE).read_text())
-    assert [r["framework"] for r in written["results"]] == list(compare.FRAMEWORKS)
+    written = json.loads((workdir / runner.JSON_FILE).read_text())
+    assert [r["framework"] for r in written["results"]] == list(runner.FRAMEWORKS)
     assert written["param_count"] == 62006 and written["steps"] == 20
     for row in written["results"]:
         for key in ("device", "warmup_seconds", "train_seconds", "eval_seconds",
@@ -63,9 +64,9 @@ def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
         assert row["train_seconds"] > row["eval_seconds"] > 0 and row["images_per_second"] > 0
         assert len(row["curve"]) == 1 and row["curve"][0]["seconds"] > 0
     assert (workdir / "jax" / "summary.json").exists()
-    assert (workdir / compare.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (workdir / runner.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The same treatment of first-run costs on both sides, said in the JSON.
-    assert written["timing"] == compare.TIMING
+    assert written["timing"] == runner.TIMING
     jax_summary = json.loads((workdir / "jax" / "summary.json").read_text())
     assert jax_summary["phase_seconds"]["warmup"] > 0
     jax_row = written["results"][0]
@@ -81,7 +82,7 @@ def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
 
 
 def test_the_warm_up_leaves_the_run_unchanged(cifar_batches_dir, tmp_path):
-    from jaxtrain import loop
+    from jaxtrain.run import loop
 
     config = seed_config(cifar_batches_dir, train__num_steps=6, eval__every_steps=3)
     plain = loop.train_and_evaluate(config, str(tmp_path / "plain"))
@@ -92,11 +93,11 @@ def test_the_warm_up_leaves_the_run_unchanged(cifar_batches_dir, tmp_path):
 
 
 def test_torch_without_cuda_beside_a_jax_gpu_is_one_line():
-    compare.check_torch_device("cpu", False)
-    compare.check_torch_device("gpu", True)
-    with pytest.raises(compare.CompareError, match=r"^JAX trains on the GPU but torch 2\.x "
+    runner.check_torch_device("cpu", False)
+    runner.check_torch_device("gpu", True)
+    with pytest.raises(runner.CompareError, match=r"^JAX trains on the GPU but torch 2\.x "
                        r"sees no CUDA device, so its runs would train on the CPU: install"):
-        compare.check_torch_device("gpu", False, "2.x")
+        runner.check_torch_device("gpu", False, "2.x")
 
 
 def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
@@ -113,7 +114,7 @@ def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
     assert lines[header + 1].split()[:2] == ["jax", "cpu"]
     assert lines[header + 2].split()[:2] == ["torch_fast", "cpu"]
     assert lines[header + 1].split()[-1] == lines[header + 2].split()[-1] == "62,006"
-    written = json.loads((tmp_path / compare.JSON_FILE).read_text())
+    written = json.loads((tmp_path / runner.JSON_FILE).read_text())
     assert [r["steps"] for r in written["results"]] == [5, 5]
     measures = written["results"][1]["measures"]
     assert measures["compile"]["cap_seconds"] == 30
@@ -204,9 +205,9 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     # jaxtrain's own step, float32, no augmentation
     flax_model = models.create_model(config.model, 10, jnp.float32)
     tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 10))
-    state = train.create_train_state(jax.random.key(0), flax_model, tx, shape)
+    state = train_state.create_train_state(jax.random.key(0), flax_model, tx, shape)
     step = jax.jit(functools.partial(
-        train.train_step, mean=mean, std=std, augment_kwargs={}, num_classes=10,
+        step_lib.train_step, mean=mean, std=std, augment_kwargs={}, num_classes=10,
         label_smoothing=config.train.label_smoothing))
     new_state, metrics = step(state, images, labels, jax.random.key(1))
 
@@ -217,8 +218,8 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     optimizer = torch_optim.create_torch_optimizer(config.optimizer, twin, 10)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
     inputs = torch_models.normalize(torch.from_numpy(images).permute(0, 3, 1, 2), mean, std)
-    loss = compare.torch_step(twin, optimizer, criterion, inputs,
-                              torch.from_numpy(labels).long(), 0)
+    loss = runner.torch_step(twin, optimizer, criterion, inputs,
+                             torch.from_numpy(labels).long(), 0)
     assert loss.item() == pytest.approx(float(metrics["loss"]), rel=1e-5)
 
     expected = torch_models.create_model(config.model, 10, shape)
@@ -337,11 +338,11 @@ def test_record_recipe_optimizers_take_the_same_steps(cifar_batches_dir):
     dataset, state, shape = run.dataset, run.state, run.dataset.image_shape
     grad_fn = jax.jit(jax.grad(lambda params, images, labels: optax.softmax_cross_entropy(
         state.apply_fn({"params": params, "batch_stats": state.batch_stats},
-                       train.normalize(images, run.mean, run.std), train=True,
+                       step_lib.normalize(images, run.mean, run.std), train=True,
                        mutable=["batch_stats"])[0],
         optax.smooth_labels(jax.nn.one_hot(labels, 10), 0.2)).mean()))
-    twin, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"),
-                                              run.total_steps, run.stem_kernel)
+    twin, optimizer, _ = runner.torch_recipe(config, dataset, torch.device("cpu"),
+                                             run.total_steps, run.stem_kernel)
     torch_models.load_flax_variables(twin, {"params": state.params,
                                             "batch_stats": state.batch_stats}, shape)
     assert sorted(g["name"] for g in optimizer.param_groups) == [
@@ -389,7 +390,7 @@ def test_record_recipe_twin_initialisation():
 
 def test_alternating_flips_mirror_each_image_once_in_two_epochs(cifar_batches_dir):
     config = record_config(cifar_batches_dir)
-    flips = compare.first_epoch_flips(config, 64)
+    flips = runner.first_epoch_flips(config, 64)
     images = torch.from_numpy(
         data.load("cifar10", "files", str(cifar_batches_dir)).x_train[:64]).permute(0, 3, 1, 2)
     seen = []
@@ -412,7 +413,7 @@ def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
     state = state.replace(batch_stats=stats)
     eval_arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, config.eval.batch_size)
     expected = jax.device_get(jax.jit(functools.partial(
-        train.evaluate, **prepare.eval_arguments(config, run)))(state, *eval_arrays))
+        evaluation.evaluate, **prepare.eval_arguments(config, run)))(state, *eval_arrays))
     twin = torch_models.load_flax_variables(
         torch_models.create_model(config.model, 10, dataset.image_shape),
         {"params": state.params, "batch_stats": stats}, dataset.image_shape)
@@ -420,12 +421,12 @@ def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
     batches = [(x[i:i + 250], y[i:i + 250].long()) for i in range(0, len(x), 250)]
     kwargs = dict(mean=run.mean, std=run.std, tta="flip_translate",
                   pad_mode=config.augment.pad_mode, device=torch.device("cpu"))
-    got = compare.torch_evaluate(twin, batches, tta_images=compare.tta_images(config, dataset),
-                                 **kwargs)
-    assert compare.tta_images(config, dataset) == 150
+    got = runner.torch_evaluate(twin, batches, tta_images=runner.tta_images(config, dataset),
+                                **kwargs)
+    assert runner.tta_images(config, dataset) == 150
     assert got["accuracy"] == pytest.approx(float(expected["accuracy"]), abs=1 / 500)
     assert got["loss"] == pytest.approx(float(expected["loss"]), rel=1e-4)
-    everything = compare.torch_evaluate(twin, batches, **kwargs)
+    everything = runner.torch_evaluate(twin, batches, **kwargs)
     assert everything["loss"] != pytest.approx(got["loss"], rel=1e-4)  # the fraction matters
 
 
@@ -469,7 +470,8 @@ def test_augmentations_move_pixels_like_jaxtrains(cifar_subset):
     # the per-sample transform: ToTensor, (no augmentation), Normalize, on CHW
     x = torch_models.article_transform(cifar_subset["x_train"][0], augment={}, mean=(0.5,),
                                        std=(0.5,))
-    expected = np.asarray(train.normalize(jnp.asarray(cifar_subset["x_train"][0]), (0.5,), (0.5,)))
+    expected = np.asarray(step_lib.normalize(jnp.asarray(cifar_subset["x_train"][0]), (0.5,),
+                                             (0.5,)))
     np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), expected, atol=1e-6)
 
 
@@ -483,9 +485,10 @@ def test_torch_fast_trains_the_record_recipe_in_bfloat16(cifar_batches_dir):
                            augment__rotate=10.0, augment__cutout=6)
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
     mean, std = prepare.channel_stats(dataset, config)
-    stem_kernel = prepare.whitening_fn(config, mean, std)(dataset.x_train[:models.WHITENING_IMAGES])
-    result = compare.run_torch_fast(config, dataset, mean, std, total_steps=4,
-                                    stem_kernel=stem_kernel, bfloat16=True)
+    stem_kernel = prepare.whitening_fn(config, mean, std)(
+        dataset.x_train[:whitening.WHITENING_IMAGES])
+    result = runner.run_torch_fast(config, dataset, mean, std, total_steps=4,
+                                   stem_kernel=stem_kernel, bfloat16=True)
     assert result["precision"] == "bfloat16" and result["param_count"] == 10920
     assert np.isfinite(result["test_loss"]) and result["steps"] == 4
     measures = result["measures"]
@@ -501,9 +504,9 @@ def test_torch_fast_trains_the_record_recipe_in_bfloat16(cifar_batches_dir):
     assert measures["whitening"]["matches_jaxtrain"]
     assert 0 < measures["whitening"]["difference_from_jaxtrain"] < 1e-3  # float32 vs float64
     assert measures["compile"]["mode"] is None and result["torch_compile"] is None
-    with pytest.raises(compare.CompareError, match="needs config.train.precision='bfloat16'"):
-        compare.run_torch_fast(record_config(cifar_batches_dir), dataset, mean, std,
-                               total_steps=1, bfloat16=True)
+    with pytest.raises(runner.CompareError, match="needs config.train.precision='bfloat16'"):
+        runner.run_torch_fast(record_config(cifar_batches_dir), dataset, mean, std,
+                              total_steps=1, bfloat16=True)
 
 
 @pytest.mark.parametrize("pad_mode", ["reflect", "constant"])
@@ -531,8 +534,8 @@ def test_an_epoch_augmented_at_once_is_the_per_batch_augmentation(cifar_subset, 
                                                     **augment_kwargs))
     draws = {key: torch.cat([d[key] for d in draws], dim=-1) for key in draws[0]}
     assert sorted(draws) == ["cutout", "degrees", "mirror", "shift"]
-    inputs, epoch_labels = compare.augmented_epoch(images, labels, order, draws, mean=mean,
-                                                   std=std, pad_mode=pad_mode, cutout=6)
+    inputs, epoch_labels = runner.augmented_epoch(images, labels, order, draws, mean=mean,
+                                                  std=std, pad_mode=pad_mode, cutout=6)
     assert inputs.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(epoch_labels, labels[order])
     for i, expected in zip(range(0, 64, 16), per_batch):
@@ -560,12 +563,12 @@ def test_tta_views_in_one_batch_give_the_separate_views_logits(cifar_subset):
     kwargs = dict(mean=(0.49, 0.48, 0.45), std=(0.25, 0.24, 0.26), pad_mode="reflect")
     with torch.no_grad():
         for mode in ("flip", "flip_translate"):
-            separate = compare.tta_logits(twin, images, mode, **kwargs)
-            together = compare.tta_logits(twin, images, mode, one_batch=True, **kwargs)
+            separate = runner.tta_logits(twin, images, mode, **kwargs)
+            together = runner.tta_logits(twin, images, mode, one_batch=True, **kwargs)
             assert separate.shape == together.shape == (32, 10)
             np.testing.assert_allclose(together.numpy(), separate.numpy(), rtol=1e-5,
                                        atol=1e-6)
-        plain = compare.tta_logits(twin, images, "none", **kwargs)
+        plain = runner.tta_logits(twin, images, "none", **kwargs)
         assert not torch.allclose(plain, together, atol=1e-3)  # the views matter
 
 
@@ -575,11 +578,11 @@ def test_torch_computes_jaxtrains_whitened_stem(cifar_subset):
     directions, whose filters are the largest."""
     x = cifar_subset["x_train"]
     mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
-    expected = np.asarray(models.whitening_kernel(x, mean, std, 24)).transpose(3, 2, 0, 1)
+    expected = np.asarray(whitening.whitening_kernel(x, mean, std, 24)).transpose(3, 2, 0, 1)
     got = torch_models.whitening_kernel(torch.from_numpy(x), mean, std, 24).numpy()
     assert got.shape == (24, 3, 2, 2) and got.dtype == np.float32
     difference = np.abs(got - expected).max() / np.abs(expected).max()
-    assert difference < compare.WHITENING_TOLERANCE  # 0.8%, in the last two filters
+    assert difference < runner.WHITENING_TOLERANCE  # 0.8%, in the last two filters
     np.testing.assert_allclose(got[:6], expected[:6], rtol=1e-3, atol=1e-4)
     np.testing.assert_array_equal(got[12:], -got[:12])
     with pytest.raises(ValueError, match="must be uint8"):
@@ -637,8 +640,8 @@ def test_master_weights_step_float32_weights_for_a_bfloat16_copy():
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     theirs = dict(reference.named_parameters())
     for step in range(2):
-        loss = compare.torch_step(low, optimizer, torch.nn.CrossEntropyLoss(),
-                                  x.to(torch.bfloat16), torch.arange(4), step)
+        loss = runner.torch_step(low, optimizer, torch.nn.CrossEntropyLoss(),
+                                 x.to(torch.bfloat16), torch.arange(4), step)
         assert loss.dtype == torch.float32  # Scale: the logits in float32
         assert all(master.grad.dtype == torch.float32 for master, _ in pairs)
         torch_optim.set_step(plain, step)
@@ -658,12 +661,12 @@ def test_torch_compile_falls_back_past_its_cap_and_on_errors():
     compilation, recording each fallback and its reason; a CPU skips the CUDA modes."""
     import time
 
-    modes, fallbacks = compare.compile_modes("max-autotune", "cuda")
+    modes, fallbacks = runner.compile_modes("max-autotune", "cuda")
     assert modes == ["max-autotune", "default", None] and fallbacks == []
-    modes, fallbacks = compare.compile_modes("max-autotune", "cpu")
+    modes, fallbacks = runner.compile_modes("max-autotune", "cpu")
     assert modes == ["default", None] and fallbacks[0]["mode"] == "max-autotune"
     assert fallbacks[0]["reason"].startswith("not tried on cpu")
-    assert compare.compile_modes("default", "cpu") == (["default", None], [])
+    assert runner.compile_modes("default", "cpu") == (["default", None], [])
     undone = []
 
     def attempt(mode):
@@ -674,21 +677,21 @@ def test_torch_compile_falls_back_past_its_cap_and_on_errors():
         return f"ran {mode}"
 
     start = time.perf_counter()
-    mode, result, fallbacks, enforced, _ = compare.first_that_compiles(
+    mode, result, fallbacks, enforced, _ = runner.first_that_compiles(
         ["max-autotune", "default", None], attempt, 0.2, lambda: undone.append(1))
     assert time.perf_counter() - start < 10
     assert (mode, result, enforced, len(undone)) == (None, "ran None", True, 2)
     assert [f["mode"] for f in fallbacks] == ["max-autotune", "default"]
     assert fallbacks[0]["reason"] == "did not compile and warm up within its 0.2 s cap"
     assert fallbacks[1]["reason"] == "RuntimeError: inductor failed"
-    mode, result, fallbacks, enforced, _ = compare.first_that_compiles(
+    mode, result, fallbacks, enforced, _ = runner.first_that_compiles(
         ["default", None], lambda mode: time.sleep(0.5) or mode, 0.2, lambda: None)
     assert (mode, result, fallbacks, enforced) == ("default", "default", [], False)  # uncapped
 
 
 def test_unknown_framework_is_refused(cifar_batches_dir, tmp_path):
-    with pytest.raises(compare.CompareError, match="unknown framework"):
-        compare.run(seed_config(cifar_batches_dir), ["jax", "mxnet"], str(tmp_path))
+    with pytest.raises(runner.CompareError, match="unknown framework"):
+        runner.run(seed_config(cifar_batches_dir), ["jax", "mxnet"], str(tmp_path))
 
 
 def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
@@ -697,8 +700,8 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
     config.model.stem_init, config.model.widths = "whiten", (16, 32, 64)
     run = prepare.setup(config)
     dataset = run.dataset
-    model, optimizer, _ = compare.torch_recipe(config, dataset, torch.device("cpu"),
-                                               run.total_steps, run.stem_kernel)
+    model, optimizer, _ = runner.torch_recipe(config, dataset, torch.device("cpu"),
+                                              run.total_steps, run.stem_kernel)
     stem = model[0]
     np.testing.assert_allclose(stem.weight.detach().numpy(),
                                run.stem_kernel.transpose(3, 2, 0, 1), rtol=1e-6)
@@ -709,9 +712,9 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
 
 def test_a_recipe_the_twins_lack_is_refused_before_training(cifar_batches_dir, tmp_path):
     config = seed_config(cifar_batches_dir, optimizer__lookahead_steps=5)
-    with pytest.raises(compare.CompareError,
+    with pytest.raises(runner.CompareError,
                        match=r"do not implement optimizer.lookahead_steps=5: run --frameworks=jax"):
-        compare.run(config, ["jax", "torch_fast"], str(tmp_path))
+        runner.run(config, ["jax", "torch_fast"], str(tmp_path))
     assert not list(tmp_path.iterdir())  # nothing trained, nothing written
 
 
@@ -851,12 +854,12 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
     shape = dataset.image_shape
 
     with jax.enable_x64(True):
-        # jaxtrain's step (train.train_step from its normalised inputs on), from random
+        # jaxtrain's step (step.train_step from its normalised inputs on), from random
         # weights (random_resnet_variables: a zero BN scale leaves its branch no gradient)
         flax_model = models.create_model(config.model, 10, jnp.float64, shape)
         variables = random_resnet_variables(flax_model, shape, dtype=np.float64)
         tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 10))
-        state = jax.jit(lambda v: train.TrainState.create(  # one program, not one per leaf
+        state = jax.jit(lambda v: train_state.TrainState.create(  # one program, not one per leaf
             apply_fn=flax_model.apply, params=v["params"], tx=tx,
             batch_stats=v["batch_stats"]))(variables)
         targets = optax.smooth_labels(jax.nn.one_hot(labels, 10), config.train.label_smoothing)
@@ -881,9 +884,9 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
     optimizer = torch_optim.create_torch_optimizer(config.optimizer, twin, 10)
     assert sorted(len(group["params"]) for group in optimizer.param_groups) == [21, 41]
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
-    loss = compare.torch_step(twin, optimizer, criterion,
-                              torch.from_numpy(inputs).permute(0, 3, 1, 2),
-                              torch.from_numpy(labels).long(), 0)
+    loss = runner.torch_step(twin, optimizer, criterion,
+                             torch.from_numpy(inputs).permute(0, 3, 1, 2),
+                             torch.from_numpy(labels).long(), 0)
     assert loss.item() == pytest.approx(float(flax_loss), rel=1e-6)
 
     for path in ("Conv_0/kernel", "ResNetBlock_7/Conv_1/kernel", "ResNetBlock_0/BatchNorm_1/scale",

@@ -2,7 +2,8 @@
 import pytest
 
 from configs import cifar_speedrun, default
-from jaxtrain import ConfigError, checks
+from jaxtrain import ConfigError
+from jaxtrain.config import checks
 
 
 @pytest.mark.parametrize("key,value,message", [

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from jaxtrain import data
-from jaxtrain.data import DataError, download as dl
+from jaxtrain.data import DataError
+from jaxtrain.data import download as dl
 from jaxtrain.data.__main__ import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]

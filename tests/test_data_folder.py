@@ -22,9 +22,11 @@ import pytest
 import skimage
 from PIL import Image
 
-from jaxtrain import checks, data, loop
+from jaxtrain import data
+from jaxtrain.config import checks
 from jaxtrain.data import DataError, folder
 from jaxtrain.data.folder import load_folder
+from jaxtrain.run import loop
 
 REPO = Path(__file__).resolve().parents[1]
 SKIMAGE_DATA = Path(skimage.__file__).parent / 'data'

@@ -3,11 +3,12 @@ import pickle
 
 import numpy as np
 import pytest
+from conftest import write_tar
+from overrides import with_overrides
 
 from configs import cifar_seed_cnn
-from conftest import write_tar
-from jaxtrain import data, loop
-from overrides import with_overrides
+from jaxtrain import data
+from jaxtrain.run import loop
 
 COARSE = 20
 

@@ -7,9 +7,11 @@ import shlex
 from pathlib import Path
 
 import pytest
-
-from jaxtrain import checks, loop, report
 from test_callbacks import mlp_config
+
+from jaxtrain.config import checks
+from jaxtrain.run import loop
+from jaxtrain.runtime import report
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxtrain
-from jaxtrain import export, loop, models
-from jaxtrain.defaults import get_config
+from jaxtrain import models
+from jaxtrain.config.defaults import get_config
+from jaxtrain.inference import exporters
+from jaxtrain.run import loop
 
 REPO = Path(__file__).resolve().parents[1]
 ort = pytest.importorskip("onnxruntime")
@@ -108,7 +109,7 @@ def run_stablehlo_without_flax(path, images, tmp_path):
     return np.load(tmp_path / "all.npy"), np.load(tmp_path / "one.npy"), result.stdout
 
 
-# Wider or deeper versions of the models below, built by the same code (models.RESNETS,
+# Wider or deeper versions of the models below, built by the same code (resnet.RESNETS,
 # vit.VITS) and exported by the same path: left out of CI, where their 86M-parameter
 # exports took ~2 min of its 25 (all nine passed here when they were in).
 VARIANTS = ("resnet34", "vit_small", "vit_base")
@@ -122,7 +123,7 @@ def test_every_built_in_model_exports_both_ways_and_matches_predict(
     labels, expected = classifier.predict(test_images)
 
     onnx_file = tmp_path / "model.onnx"
-    description = export.save(classifier, "onnx", str(onnx_file))
+    description = exporters.save(classifier, "onnx", str(onnx_file))
     probabilities = run_onnx(onnx_file, test_images)
     np.testing.assert_allclose(probabilities, expected, atol=PROBABILITY_ATOL, rtol=0)
     np.testing.assert_array_equal(probabilities.argmax(-1), labels)
@@ -133,7 +134,7 @@ def test_every_built_in_model_exports_both_ways_and_matches_predict(
     assert json.loads((tmp_path / "model.onnx.json").read_text()) == description
 
     hlo_file = tmp_path / "model.stablehlo"
-    export.save(classifier, "stablehlo", str(hlo_file))
+    exporters.save(classifier, "stablehlo", str(hlo_file))
     everything, first, platforms = run_stablehlo_without_flax(hlo_file, test_images, tmp_path)
     np.testing.assert_allclose(first, expected[:1], atol=PROBABILITY_ATOL, rtol=0)
     np.testing.assert_allclose(everything, expected, atol=PROBABILITY_ATOL, rtol=0)
@@ -147,7 +148,7 @@ def test_a_fixed_batch_and_tta_inside_the_export(run_of, test_images, tmp_path):
     _, plain = jaxtrain.restore(workdir, tta="none").predict(test_images[:5])
     assert np.abs(expected - plain).max() > 1e-3  # the flip changes something to check
     out = tmp_path / "fixed.onnx"
-    description = export.export(workdir, "onnx", str(out), batch=5, tta="flip")
+    description = exporters.export(workdir, "onnx", str(out), batch=5, tta="flip")
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape == [5, 32, 32, 3]
     assert session.get_inputs()[0].type == "tensor(uint8)"
@@ -165,12 +166,12 @@ def test_a_bfloat16_run_exports_float32_by_default(arrays_npz, test_images, tmp_
     _, expected = jaxtrain.restore(workdir, precision="float32").predict(test_images)
     _, bfloat16 = jaxtrain.restore(workdir).predict(test_images)
     assert np.abs(expected - bfloat16).max() > 1e-5  # the two precisions do differ
-    description = export.export(workdir, "onnx", str(tmp_path / "m.onnx"))
+    description = exporters.export(workdir, "onnx", str(tmp_path / "m.onnx"))
     assert description["precision"] == "float32"
     np.testing.assert_allclose(run_onnx(tmp_path / "m.onnx", test_images), expected,
                                atol=PROBABILITY_ATOL, rtol=0)
-    with pytest.raises(export.ExportError, match="float32"):
-        export.export(workdir, "onnx", str(tmp_path / "b.onnx"), precision="bfloat16")
+    with pytest.raises(exporters.ExportError, match="float32"):
+        exporters.export(workdir, "onnx", str(tmp_path / "b.onnx"), precision="bfloat16")
 
 
 class HostLookupNet(nn.Module):
@@ -190,12 +191,12 @@ def test_an_operation_the_exporter_cannot_take_is_one_line_naming_it(arrays_npz,
     config = short_run_config(arrays_npz, "mlp")
     loop.train_and_evaluate(config, str(tmp_path / "run"), model=HostLookupNet())
     classifier = jaxtrain.restore(str(tmp_path / "run"), model=HostLookupNet())
-    with pytest.raises(export.ExportError) as error:
-        export.to_onnx(classifier)
+    with pytest.raises(exporters.ExportError) as error:
+        exporters.to_onnx(classifier)
     message = str(error.value)
     assert "'pure_callback'" in message and "\n" not in message
-    with pytest.raises(export.ExportError) as error:
-        export.to_stablehlo(classifier)
+    with pytest.raises(exporters.ExportError) as error:
+        exporters.to_stablehlo(classifier)
     assert str(error.value).startswith("StableHLO export for cpu, cuda failed: ")
     assert "\n" not in str(error.value)
 

@@ -2,7 +2,7 @@
 import pytest
 
 from configs import fashion_mnist_cnn, fashion_mnist_mlp
-from jaxtrain import loop
+from jaxtrain.run import loop
 
 SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
 

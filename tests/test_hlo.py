@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import hlo
+from jaxtrain.perf import hlo
 
 
 def test_parse_instruction_handles_nested_tuple_types():

@@ -1,5 +1,5 @@
-"""Streaming input (jaxtrain/input.py): the same batches and parameters as the device path,
-exact resume after SIGKILL, disjoint shards over processes, corrupt files, ImageNet's recipe."""
+"""Streaming input (jaxtrain/training/batches.py): the same batches and parameters as the
+device path, exact resume after SIGKILL, disjoint shards over processes, corrupt files, ImageNet's recipe."""
 import hashlib
 import json
 import os
@@ -14,13 +14,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain import checkpoint, checks, data, input, loop, parallel, prepare, report, train
+from jaxtrain import data
+from jaxtrain.config import checks
 from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError
-from overrides import with_overrides
+from jaxtrain.run import loop
+from jaxtrain.runtime import mesh as mesh_lib
+from jaxtrain.runtime import report
+from jaxtrain.training import batches, checkpoint, prepare
+from jaxtrain.training import step as step_lib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,12 +59,12 @@ def digest(*arrays) -> str:
 
 def test_auto_places_what_fits_on_the_device_and_streams_the_rest():
     memory = (1000, "test memory")
-    assert input.choose_placement("auto", 500, 0.5, memory)[0] == "device"
-    placement, why = input.choose_placement("auto", 501, 0.5, memory)
+    assert batches.choose_placement("auto", 500, 0.5, memory)[0] == "device"
+    placement, why = batches.choose_placement("auto", 501, 0.5, memory)
     assert placement == "stream"
     assert "over data.device_fraction=0.5 of test memory" in why
-    assert input.choose_placement("device", 10**15, 0.5, memory) == ("device",
-                                                                     "data.placement='device'")
+    assert batches.choose_placement("device", 10**15, 0.5, memory) == ("device",
+                                                                       "data.placement='device'")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -80,16 +86,16 @@ def test_the_stream_reads_exactly_the_device_paths_batches(cifar_subset):
     x, y = cifar_subset["x_train"], cifar_subset["y_train"]
     batch, steps_per_epoch = 64, len(x) // 64
     key = jax.random.key(3)
-    mesh = parallel.create_mesh()
-    stream = input.Stream(x, y, key, batch_size=batch, steps_per_epoch=steps_per_epoch,
-                          total_steps=2 * steps_per_epoch, sharding=parallel.batch_sharded(mesh))
+    mesh = mesh_lib.create_mesh()
+    stream = batches.Stream(x, y, key, batch_size=batch, steps_per_epoch=steps_per_epoch,
+                            total_steps=2 * steps_per_epoch, sharding=mesh_lib.batch_sharded(mesh))
     device_hashes, stream_hashes = [], []
     stream.open(0)
     try:
         for epoch in range(2):
-            order = np.asarray(train.epoch_order(key, epoch, len(x))[0])
+            order = np.asarray(step_lib.epoch_order(key, epoch, len(x))[0])
             key_data = np.asarray(jax.random.key_data(key))
-            np.testing.assert_array_equal(order, input.epoch_permutation(key_data, epoch, len(x)))
+            np.testing.assert_array_equal(order, batches.epoch_permutation(key_data, epoch, len(x)))
             for step in range(steps_per_epoch):
                 picked = order[step * batch:(step + 1) * batch]
                 device_hashes.append(digest(x[picked], y[picked]))
@@ -229,7 +235,7 @@ def test_a_corrupt_image_mid_epoch_names_the_file_and_keeps_the_checkpoint(cifar
     files = sorted((p for p in (root / "train").rglob("*.jpg")),
                    key=lambda p: (p.parent.name, p.name))  # the folder's image order
     data_key = jax.random.split(jax.random.key(0))[1]  # prepare.setup's, for seed 0
-    order = input.epoch_permutation(np.asarray(jax.random.key_data(data_key)), 0, len(files))
+    order = batches.epoch_permutation(np.asarray(jax.random.key_data(data_key)), 0, len(files))
     bad = files[order[12 * 8 + 3]]  # read by step 12 (batch 8), after checkpoint 10
     bad.write_bytes(bad.read_bytes()[:200])
     process = start_main(tmp_path / "run", root, "--config.checkpoint.every_steps=10",
@@ -258,13 +264,14 @@ def free_port() -> int:
 SHARD_SCRIPT = """
 import json, sys
 import jax, numpy as np
-from jaxtrain import input, parallel
-parallel.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from jaxtrain.runtime import mesh, processes
+from jaxtrain.training import batches
+processes.initialize(sys.argv[1], 2, int(sys.argv[2]))
 images = np.arange(600 * 2 * 2 * 1, dtype=np.uint32).reshape(600, 2, 2, 1).astype(np.uint8)
 labels = np.arange(600, dtype=np.int32)
 key = jax.random.key(7)
-stream = input.Stream(images, labels, key, batch_size=64, steps_per_epoch=9, total_steps=9,
-                      sharding=parallel.batch_sharded(parallel.create_mesh()))
+stream = batches.Stream(images, labels, key, batch_size=64, steps_per_epoch=9, total_steps=9,
+                        sharding=mesh.batch_sharded(mesh.create_mesh()))
 stream.open(0)
 steps = []
 for _ in range(9):
@@ -295,7 +302,7 @@ def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
         assert process.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert [r["devices"] for r in results] == [4, 4]
-    order = train.epoch_order(jax.random.key(7), 0, 600)[0]
+    order = step_lib.epoch_order(jax.random.key(7), 0, 600)[0]
     for step in range(9):
         first, second = (set(r["steps"][step]) for r in results)
         assert len(first) == len(second) == 32 and not first & second
@@ -325,13 +332,13 @@ def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path
 def test_bench_input_only_times_the_loader_alone(cifar_jpeg_folder, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtrain.bench", "--config=configs/imagenet_resnet50.py",
-         "--input-only", "--batches=5", f"--json={tmp_path / 'input.json'}",
+         "--input-only", "--batches=5", f"--json={tmp_path / 'batches.json'}",
          f"--config.data.dir={cifar_jpeg_folder}", "--config.data.image_size=48",
          "--config.data.workers=2", "--config.train.batch_size=16"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "input only:" in result.stdout and "2 worker processes" in result.stdout
-    measured = json.loads((tmp_path / "input.json").read_text())
+    measured = json.loads((tmp_path / "batches.json").read_text())
     assert measured["batches"] == 5 and measured["batch_size"] == 16
     assert measured["image_shape"] == [48, 48, 3] and measured["augment_crop"] == "random_resized"
     assert measured["images_per_second"] > 0 and measured["first_batch_seconds"] > 0

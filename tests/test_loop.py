@@ -1,4 +1,4 @@
-"""jaxtrain/loop.py and phases.py: the host loop's chunks, metrics rows, phase timing,
+"""jaxtrain/run/loop.py and phases.py: the host loop's chunks, metrics rows, phase timing,
 --profile and the persistent compilation cache, through main.py as a user runs it."""
 import json
 import os
@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import defaults, hlo, loop, models, optim, phases, prepare, report, train
+from jaxtrain import models
+from jaxtrain.config import defaults
+from jaxtrain.perf import hlo
+from jaxtrain.run import loop, start
+from jaxtrain.run import plan as plan_lib
+from jaxtrain.runtime import phases, report
+from jaxtrain.training import chunks, optim, prepare, train_state
+from jaxtrain.training import step as step_lib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,18 +27,19 @@ REPO = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------- chunks and rows
 
 def test_chunks_end_at_epochs_checkpoints_evaluations_and_breaks_only():
-    assert loop.plan_chunks(7, 3, (2,)) == [(0, 0, 2), (0, 2, 1), (1, 0, 1), (1, 1, 2), (2, 0, 1)]
-    assert loop.plan_chunks(6, 3) == [(0, 0, 3), (1, 0, 3)]
-    assert loop.plan_chunks(10, 5, (0, 4), breaks=(1, 3)) == [
+    assert plan_lib.plan_chunks(7, 3, (2,)) == [(0, 0, 2), (0, 2, 1), (1, 0, 1), (1, 1, 2),
+                                                (2, 0, 1)]
+    assert plan_lib.plan_chunks(6, 3) == [(0, 0, 3), (1, 0, 3)]
+    assert plan_lib.plan_chunks(10, 5, (0, 4), breaks=(1, 3)) == [
         (0, 0, 1), (0, 1, 2), (0, 3, 1), (0, 4, 1), (1, 0, 3), (1, 3, 2)]
     # a resumed run meets the same grid
-    assert loop.plan_chunks(10, 5, (4,), start_step=6) == [(1, 1, 2), (1, 3, 2)]
+    assert plan_lib.plan_chunks(10, 5, (4,), start_step=6) == [(1, 1, 2), (1, 3, 2)]
 
 
 @pytest.mark.parametrize("total, per_epoch", [(20, 12500), (4680, 468), (25000, 12500),
                                               (243, 30), (97, 97), (10, 3)])
 def test_about_fifty_rows_a_run_ending_on_every_epoch(total, per_epoch):
-    on_grid = loop.row_grid(0, per_epoch, total)
+    on_grid = plan_lib.row_grid(0, per_epoch, total)
     rows = [step for step in range(1, total + 1) if on_grid(step)]
     assert min(total, 40) <= len(rows) <= 70, len(rows)
     assert all(on_grid(epoch_end) for epoch_end in range(per_epoch, total + 1, per_epoch))
@@ -40,14 +48,14 @@ def test_about_fifty_rows_a_run_ending_on_every_epoch(total, per_epoch):
 
 
 def test_an_explicit_interval_is_kept():
-    on_grid = loop.row_grid(100, 468, 4680)
+    on_grid = plan_lib.row_grid(100, 468, 4680)
     assert [s for s in range(1, 501) if on_grid(s)] == [100, 200, 300, 400, 500]
 
 
 def test_rows_average_their_steps_and_count_skipped_ones():
     per_step = {"loss": np.array([1.0, 3.0, np.nan, 5.0, np.nan]),
                 "accuracy": np.array([0.5, 0.5, 0.0, 1.0, 0.0])}
-    rows = loop.metrics_rows(per_step, 10, [12, 14, 15])
+    rows = plan_lib.metrics_rows(per_step, 10, [12, 14, 15])
     assert rows[0] == {"step": 12, "train_loss": 2.0, "train_accuracy": 0.5}
     assert rows[1] == {"step": 14, "train_loss": 5.0, "train_accuracy": 1.0, "skipped_steps": 1}
     assert rows[2] == {"step": 15, "train_loss": None, "train_accuracy": None,
@@ -55,8 +63,8 @@ def test_rows_average_their_steps_and_count_skipped_ones():
 
 
 def test_eval_every_steps_adds_test_points():
-    assert [s for s in range(1, 21) if loop.evaluates_after(s, 100, 20, 1, 8)] == [8, 16, 20]
-    assert [s for s in range(1, 21) if loop.evaluates_after(s, 5, 20, 2, 0)] == [10, 20]
+    assert [s for s in range(1, 21) if plan_lib.evaluates_after(s, 100, 20, 1, 8)] == [8, 16, 20]
+    assert [s for s in range(1, 21) if plan_lib.evaluates_after(s, 5, 20, 2, 0)] == [10, 20]
 
 
 def test_channel_statistics_equal_numpy_over_the_whole_split():
@@ -74,7 +82,7 @@ def test_channel_statistics_equal_numpy_over_the_whole_split():
 
 def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
     """Two replicas of a BatchNorm MLP whose first layer trains for 4 of 8 steps: the plan
-    cut at step 4 (train.phased_chunks, as loop.compile_training builds it) computes no
+    cut at step 4 (chunks.phased_chunks, as start.compile_training builds it) computes no
     gradient for that layer after it, in both loops, and ends with the same weights, to
     the bit, as the run that computes its gradient on every step and multiplies it by a
     zero rate."""
@@ -90,12 +98,12 @@ def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
     y = rng.integers(0, 10, 64).astype(np.int32)
     step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
                        label_smoothing=0.1, augment_kwargs=dict(flip=False, translate=0))
-    initial = train.create_train_state(jax.random.split(jax.random.key(0), 2), model, tx,
-                                       (8, 8, 3), replicas=True)
+    initial = train_state.create_train_state(jax.random.split(jax.random.key(0), 2), model, tx,
+                                             (8, 8, 3), replicas=True)
     keys = jax.random.split(jax.random.key(1), 2)
-    cuts = train.finished_groups(opt, initial.params, total_steps=8)
+    cuts = step_lib.finished_groups(opt, initial.params, total_steps=8)
     assert cuts == {4: frozenset({"Dense_0/kernel", "Dense_0/bias"})}
-    plan = loop.plan_chunks(8, 4, breaks=tuple(cuts))
+    plan = plan_lib.plan_chunks(8, 4, breaks=tuple(cuts))
     assert plan == [(0, 0, 4), (1, 0, 4)]
     for kind in ("scan", "python"):
         compiled = {}  # the masked run's program is the dropped run's before the cut
@@ -103,13 +111,13 @@ def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
         def compile_phase(constant, lengths):
             if constant not in compiled:
                 kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
-                compiled[constant] = train.compile_chunks(kind, initial, x, y, keys, lengths,
-                                                          kwargs, replicas=True)
+                compiled[constant] = chunks.compile_chunks(kind, initial, x, y, keys, lengths,
+                                                           kwargs, replicas=True)
             return compiled[constant]
 
         weights = {}
         for name, phase_cuts in (("masked", {}), ("dropped", cuts)):
-            run_chunk = train.phased_chunks(plan, 4, phase_cuts, compile_phase)
+            run_chunk = chunks.phased_chunks(plan, 4, phase_cuts, compile_phase)
             state = jax.tree.map(jnp.copy, initial)
             for epoch, first_step, length in plan:
                 state, _ = run_chunk(state, keys, epoch, first_step, length)
@@ -140,14 +148,14 @@ def test_laps_partition_the_time_and_print_their_lines():
 
 
 def test_a_cache_that_is_off_says_how_it_was_turned_off():
-    assert loop.cache_note(None, {}) == (
+    assert start.cache_note(None, {}) == (
         " (persistent compilation cache off: train.compilation_cache='')")
 
 
 def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    snippet = ("import sys\nfrom jaxtrain import xla_cache\n"
+    snippet = ("import sys\nfrom jaxtrain.runtime import xla_cache\n"
                "try:\n    xla_cache.enable(sys.argv[1])\n"
                "except xla_cache.ConfigError as error:\n    print(error)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
@@ -187,8 +195,8 @@ def test_the_console_names_each_phase_as_it_ends(profiled_run):
     lines = first.stdout.splitlines()
     starts = ["imported JAX, Flax and jaxtrain in ", "loaded cifar10 from ", "built seed_cnn (",
               "compiled the training and evaluation programs in "]
-    found = [next(i for i, line in enumerate(lines) if line.startswith(start))
-             for start in starts]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(prefix))
+             for prefix in starts]
     assert found == sorted(found) and found[0] == 0, lines[:6]
     assert lines[-2].startswith("time: imports ") and "; total " in lines[-2]
     assert not any(line.startswith("projected:") for line in lines)  # a short run says none
@@ -252,8 +260,8 @@ def test_the_second_run_reads_its_programs_from_the_cache(profiled_run):
 
 def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
     snippet = ("import sys\n"
-               "import jaxtrain.__main__, jaxtrain.loop, jaxtrain.report\n"
-               "jaxtrain.report.Reporter(sys.argv[1], total_steps=1).close()\n"
+               "import jaxtrain.__main__, jaxtrain.run.loop, jaxtrain.runtime.report\n"
+               "jaxtrain.runtime.report.Reporter(sys.argv[1], total_steps=1).close()\n"
                "heavy = {'torch', 'tensorflow', 'tensorflow_datasets', 'matplotlib'}\n"
                "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
     result = subprocess.run([sys.executable, "-c", snippet, str(tmp_path)], cwd=REPO,
@@ -268,7 +276,7 @@ def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
     few timed steps of the first chunk (a CPU's convolutional chunk may take an hour),
     and on a CPU which recipes suit it."""
     from configs import cifar_seed_cnn
-    from jaxtrain import actions
+    from jaxtrain.run import actions
     monkeypatch.setattr(actions, "LONG_RUN_SECONDS", 0.0)
     config = cifar_seed_cnn.get_config()
     config.data.dir, config.data.source = str(cifar_batches_dir), "files"
@@ -286,6 +294,6 @@ def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
 
 
 def test_durations_read_as_hours_and_minutes():
-    from jaxtrain import actions
+    from jaxtrain.run import actions
     assert [actions.duration(s) for s in (45 * 60, 3 * 3600 + 20 * 60, 601)] == [
         "45 min", "3 h 20 min", "10 min"]

@@ -7,10 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from overrides import with_overrides
 
 from configs import cifar_seed_cnn, default
-from jaxtrain import ConfigError, augment, checks, compare, defaults, loop, models, train
-from overrides import with_overrides
+from jaxtrain import ConfigError, models
+from jaxtrain.baselines import runner
+from jaxtrain.config import checks, defaults
+from jaxtrain.run import loop
+from jaxtrain.training import augment, train_state
+from jaxtrain.training import step as step_lib
 
 B, H, W, C, K = 8, 7, 6, 3, 10  # labels 0..7: partners (i, B-1-i) differ
 KEYS = tuple(range(12))
@@ -122,8 +127,8 @@ def initial_state():
     model_config = default.get_config().model
     model_config.name, model_config.hidden_sizes, model_config.dropout = "mlp", (16,), 0.5
     model = models.create_model(model_config, K, jnp.float32)
-    return train.create_train_state(jax.random.key(0), model, optax.sgd(0.1, momentum=0.9),
-                                    (H, W, C))
+    return train_state.create_train_state(jax.random.key(0), model, optax.sgd(0.1, momentum=0.9),
+                                          (H, W, C))
 
 
 def step_results(**mix):
@@ -137,7 +142,7 @@ def step_results(**mix):
                   augment_kwargs=dict(flip=True, translate=1))
     if mix:
         kwargs["mix_kwargs"] = mix
-    step = jax.jit(functools.partial(train.train_step, **kwargs))
+    step = jax.jit(functools.partial(step_lib.train_step, **kwargs))
     metrics = []
     for seed in (1, 2):
         state, step_metrics = step(state, images, labels, jax.random.key(seed))
@@ -214,5 +219,5 @@ def test_a_bad_mix_setting_is_a_one_line_config_error(key, value, message):
 def test_compare_refuses_mixing_for_the_pytorch_twins():
     config = defaults.get_config()
     config.augment.mixup, config.augment.cutmix = 0.8, 1.0
-    assert compare.torch_unsupported(config) == ["augment.mixup=0.8", "augment.cutmix=1.0"]
-    assert compare.torch_unsupported(defaults.get_config()) == []
+    assert runner.torch_unsupported(config) == ["augment.mixup=0.8", "augment.cutmix=1.0"]
+    assert runner.torch_unsupported(defaults.get_config()) == []

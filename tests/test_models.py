@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxtrain import models, prepare
+from jaxtrain import models
+from jaxtrain.models import cnn, resnet, whitening
+from jaxtrain.training import prepare
 
 
 def model_config(name, **overrides):
@@ -125,7 +127,7 @@ def test_every_model_takes_one_channel_28x28_images(name):
 def test_whitening_kernel_decorrelates_real_image_patches(cifar_subset):
     images = cifar_subset["x_train"]
     mean, std = images.mean(axis=(0, 1, 2)) / 255, images.std(axis=(0, 1, 2)) / 255
-    kernel = models.whitening_kernel(images, mean, std, filters=24)
+    kernel = whitening.whitening_kernel(images, mean, std, filters=24)
     assert kernel.shape == (2, 2, 3, 24)
     np.testing.assert_array_equal(kernel[..., 12:], -kernel[..., :12])
     x = (images[1000:1500].astype(np.float32) / 255 - mean) / std  # images it was not fitted on
@@ -143,10 +145,10 @@ def test_only_cifar_cnn_with_a_whitened_stem_freezes_a_parameter():
     assert models.frozen_params(model_config("cifar_cnn")) == ()
     assert models.frozen_params(model_config("mlp", stem_init="whiten")) == ()
     with pytest.raises(ValueError, match="at most 24"):
-        models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=26), 3)
-    models.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=8), 1)
-    assert models.has_whitened_stem(model_config("cifar_cnn", stem_init="whiten"))
-    assert not models.has_whitened_stem(model_config("mlp", stem_init="whiten"))
+        whitening.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=26), 3)
+    whitening.check_stem(model_config("cifar_cnn", stem_init="whiten", stem_width=8), 1)
+    assert whitening.has_whitened_stem(model_config("cifar_cnn", stem_init="whiten"))
+    assert not whitening.has_whitened_stem(model_config("mlp", stem_init="whiten"))
 
 
 def small_cifar_cnn(num_classes=10, **overrides):
@@ -165,12 +167,12 @@ def conv_same(x, kernel):
 @pytest.mark.parametrize("in_channels,out_channels", [(4, 8), (8, 4), (6, 6)])
 def test_dirac_init_passes_the_first_channels_through(in_channels, out_channels):
     shape, key = (3, 3, in_channels, out_channels), jax.random.key(0)
-    kernel = models.conv_kernel_init("dirac")(key, shape)
+    kernel = cnn.conv_kernel_init("dirac")(key, shape)
     x = jax.random.normal(jax.random.key(1), (2, 5, 5, in_channels))
     n = min(in_channels, out_channels)
     np.testing.assert_allclose(conv_same(x, kernel)[..., :n], x[..., :n], atol=1e-6)
     # the other filters keep the default init
-    default = models.conv_kernel_init("default")(key, shape)
+    default = cnn.conv_kernel_init("default")(key, shape)
     np.testing.assert_array_equal(kernel[..., n:], default[..., n:])
 
 
@@ -196,7 +198,7 @@ def test_dirac_init_reaches_every_block_conv_and_only_them():
 
 
 def test_activation_names_map_to_their_functions():
-    assert models.ACTIVATIONS == ("gelu_tanh", "gelu", "silu", "relu")
+    assert cnn.ACTIVATIONS == ("gelu_tanh", "gelu", "silu", "relu")
     z = jnp.linspace(-4.0, 4.0, 81)
     erf = jax.scipy.special.erf
     expected = {
@@ -205,8 +207,8 @@ def test_activation_names_map_to_their_functions():
         "silu": z / (1 + jnp.exp(-z)),
         "relu": jnp.maximum(z, 0.0),
     }
-    for name in models.ACTIVATIONS:
-        np.testing.assert_allclose(models.activation_fn(name)(z), expected[name], atol=1e-6,
+    for name in cnn.ACTIVATIONS:
+        np.testing.assert_allclose(cnn.activation_fn(name)(z), expected[name], atol=1e-6,
                                    err_msg=name)
     # the two GELUs really differ (by up to ~5e-4)
     assert np.abs(expected["gelu"] - expected["gelu_tanh"]).max() > 1e-4
@@ -216,9 +218,9 @@ def test_cifar_cnn_activation_option_changes_the_network():
     x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
     variables = small_cifar_cnn().init(jax.random.key(0), x)  # the same params for every name
     logits = {name: small_cifar_cnn(activation=name).apply(variables, x)
-              for name in models.ACTIVATIONS}
-    for i, a in enumerate(models.ACTIVATIONS):
-        for b in models.ACTIVATIONS[i + 1:]:
+              for name in cnn.ACTIVATIONS}
+    for i, a in enumerate(cnn.ACTIVATIONS):
+        for b in cnn.ACTIVATIONS[i + 1:]:
             assert not np.allclose(logits[a], logits[b]), (a, b)
     assert small_cifar_cnn().activation == "gelu_tanh"  # the default is the old behaviour
 
@@ -228,7 +230,7 @@ def test_unknown_activation_or_conv_init_names_the_key_and_the_choices():
         small_cifar_cnn(activation="tanh")
     with pytest.raises(ValueError, match=r"model.conv_init 'orthogonal'.*default, dirac"):
         small_cifar_cnn(conv_init="orthogonal")
-    assert models.CONV_INITS == ("default", "dirac")
+    assert cnn.CONV_INITS == ("default", "dirac")
 
 
 def test_configs_saved_before_the_options_restore_with_the_old_behaviour():
@@ -285,8 +287,8 @@ def cifar_stats(images):
 def test_whitening_kernel_is_the_same_eager_and_jitted(cifar_subset):
     images = cifar_subset["x_train"]
     mean, std = cifar_stats(images)
-    eager = models.whitening_kernel(images[:500], mean, std, filters=24)
-    jitted = jax.jit(functools.partial(models.whitening_kernel, mean=mean, std=std, filters=24,
+    eager = whitening.whitening_kernel(images[:500], mean, std, filters=24)
+    jitted = jax.jit(functools.partial(whitening.whitening_kernel, mean=mean, std=std, filters=24,
                                        max_images=500))
     # a device array in, only the first max_images used
     np.testing.assert_allclose(jitted(jnp.asarray(images)), eager, rtol=1e-5, atol=1e-5)
@@ -297,7 +299,7 @@ def test_whitening_kernel_whitens_the_patches_it_was_fitted_on(cifar_subset):
     images = cifar_subset["x_train"][:500]
     mean, std = cifar_stats(images)
     eps = 5e-4
-    kernel = np.asarray(models.whitening_kernel(images, mean, std, filters=24, eps=eps))
+    kernel = np.asarray(whitening.whitening_kernel(images, mean, std, filters=24, eps=eps))
     x = (images.astype(np.float64) / 255 - np.array(mean)) / np.array(std)
     windows = np.lib.stride_tricks.sliding_window_view(x, (2, 2), axis=(1, 2))
     patches = windows.transpose(0, 1, 2, 4, 5, 3).reshape(-1, 12)  # (kh, kw, c) order
@@ -313,9 +315,9 @@ def test_whitening_kernel_whitens_the_patches_it_was_fitted_on(cifar_subset):
 def test_whitening_kernel_checks_its_arguments():
     images = np.zeros((4, 8, 8, 3), np.uint8)
     with pytest.raises(ValueError, match="filters=26"):
-        models.whitening_kernel(images, (0.5,) * 3, (0.25,) * 3, filters=26)
+        whitening.whitening_kernel(images, (0.5,) * 3, (0.25,) * 3, filters=26)
     with pytest.raises(ValueError, match="uint8"):
-        models.whitening_kernel(images.astype(np.float32), (0.5,) * 3, (0.25,) * 3, filters=8)
+        whitening.whitening_kernel(images.astype(np.float32), (0.5,) * 3, (0.25,) * 3, filters=8)
 
 
 # ---------------------------------------------------------------- ResNet
@@ -372,7 +374,7 @@ def block_output_sizes(model, shape):
 
     def record(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
-        if isinstance(context.module, (models.ResNetBlock, models.BottleneckResNetBlock)) \
+        if isinstance(context.module, (resnet.ResNetBlock, resnet.BottleneckResNetBlock)) \
                 and context.method_name == "__call__":
             sizes.append(out.shape[1:3])
         return out
@@ -406,7 +408,7 @@ def test_resnet_auto_stem_is_cifar_up_to_64_pixels():
                         ((65, 65, 3), "imagenet"), ((224, 224, 3), "imagenet"),
                         ((64, 96, 3), "imagenet")]:
         assert models.create_model(config, 10, jnp.float32, shape).stem == stem, shape
-        assert models.resnet_stem("auto", shape) == stem
+        assert resnet.resnet_stem("auto", shape) == stem
     # without the image shape the model decides from its input, by the same rule
     model = models.create_model(config, 10, jnp.float32)
     assert model.stem == "auto"
@@ -428,7 +430,7 @@ def test_resnet_auto_stem_is_cifar_up_to_64_pixels():
 def test_resnet_initialisation_and_mixed_precision():
     # a narrow two-stage ResNet: the same code, cheap to initialise for real (an RBG key
     # compiles in a fraction of the time threefry takes on the CPU)
-    model = models.ResNet(stage_sizes=(1, 1), num_classes=10, stem="cifar", width=4,
+    model = resnet.ResNet(stage_sizes=(1, 1), num_classes=10, stem="cifar", width=4,
                           dtype=jnp.bfloat16)
     x = jnp.zeros((2, 8, 8, 3))
     variables = jax.jit(functools.partial(model.init, train=False))(
@@ -469,13 +471,14 @@ def random_variables(model, shape, seed=0):
 
 
 def steps_on_one_batch(model, tx, images, labels, mean, std, steps=3):
-    """train.train_step `steps` times on the same batch, from random_variables; the losses."""
-    from jaxtrain import train
+    """step.train_step `steps` times on the same batch, from random_variables; the losses."""
+    from jaxtrain.training import step as step_lib
+    from jaxtrain.training import train_state
 
     variables = random_variables(model, (1, *images.shape[1:]))
-    state = jax.jit(lambda v: train.TrainState.create(  # one program, not one per leaf
+    state = jax.jit(lambda v: train_state.TrainState.create(  # one program, not one per leaf
         apply_fn=model.apply, params=v["params"], tx=tx, batch_stats=v["batch_stats"]))(variables)
-    step = jax.jit(functools.partial(train.train_step, mean=mean, std=std, augment_kwargs={},
+    step = jax.jit(functools.partial(step_lib.train_step, mean=mean, std=std, augment_kwargs={},
                                      num_classes=10, label_smoothing=0.0))
     losses = []
     for i in range(steps):
@@ -486,13 +489,13 @@ def steps_on_one_batch(model, tx, images, labels, mean, std, steps=3):
 
 def test_resnet18_trains_on_32px_images(cifar_batches_dir):
     """prepare.setup builds it from a config (stem 'auto' settled by the 32 px input), then
-    train.train_step on 8 real images. setup's abstract state skips compiling the init;
+    step.train_step on 8 real images. setup's abstract state skips compiling the init;
     loop.train_and_evaluate runs the same pieces (measured: ~35 s here, most of it that
     init, so it is not repeated in this test)."""
     import optax
 
     from configs import cifar
-    from jaxtrain import optim
+    from jaxtrain.training import optim
 
     config = cifar.get_config()
     config.data.dir = str(cifar_batches_dir)
@@ -515,7 +518,7 @@ def test_resnet18_trains_on_32px_images(cifar_batches_dir):
 def test_resnet18_trains_on_64px_images():
     import optax
 
-    from jaxtrain import optim
+    from jaxtrain.training import optim
 
     model = models.create_model(model_config("resnet18"), 10, jnp.float32, (64, 64, 3))
     assert model.stem == "cifar"  # 'auto', 64 px

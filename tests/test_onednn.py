@@ -1,4 +1,4 @@
-"""jaxtrain/onednn.py: float32 2-D convolutions through oneDNN compute lax's function,
+"""jaxtrain/models/ops/onednn.py: float32 2-D convolutions through oneDNN compute lax's function,
 forward and both gradients, for every geometry the built-in models use and every
 built-in convolutional model; what it does not cover stays lax's; it batches under vmap
 (replicas); an explicit 'onednn' that cannot be built is one line, exit 2, nothing written."""
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxtrain import checks, defaults, models, onednn
+from jaxtrain import models
+from jaxtrain.config import checks, defaults
+from jaxtrain.models.ops import onednn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,7 +186,7 @@ def without_a_compiler(tmp_path):
 
 
 def test_without_onednn_auto_says_so_once_and_uses_xla(tmp_path):
-    script = ("from jaxtrain import onednn\n"
+    script = ("from jaxtrain.models.ops import onednn\n"
               "print(onednn.resolve('auto'), onednn.resolve('auto'))\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, env=without_a_compiler(tmp_path), timeout=300)
@@ -212,7 +214,7 @@ def test_an_explicit_onednn_that_cannot_be_built_is_one_line_exit_2(tmp_path):
 
 
 def test_several_devices_keep_xla_s_and_an_explicit_onednn_there_is_one_line(tmp_path):
-    script = ("from jaxtrain import onednn\n"
+    script = ("from jaxtrain.models.ops import onednn\n"
               "print(onednn.resolve('auto'))\n"
               "try:\n"
               "    onednn.resolve('onednn')\n"
@@ -229,11 +231,12 @@ def test_several_devices_keep_xla_s_and_an_explicit_onednn_there_is_one_line(tmp
 
 
 def test_convolutional_models_through_onednn_scan_on_the_cpu_and_xla_s_step_by_step():
-    from jaxtrain import train
+    from jaxtrain.training import chunks
     config = defaults.get_config().model
     for name, conv_impl, kind in [("cifar_cnn", "auto", "scan"), ("seed_cnn", "onednn", "scan"),
                                   ("resnet18", "xla", "python"), ("mlp", "auto", "scan"),
                                   ("mlp", "xla", "scan")]:
         config.name, config.conv_impl = name, conv_impl
-        assert train.resolve_loop("auto", models.xla_convolutions(config)) == kind, name
-        assert train.resolve_loop("python", models.xla_convolutions(config)) == "python"
+        xla_convolutions = models.xla_convolutions(name, models.conv_choice(config))
+        assert chunks.resolve_loop("auto", xla_convolutions) == kind, name
+        assert chunks.resolve_loop("python", xla_convolutions) == "python"

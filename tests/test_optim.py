@@ -5,7 +5,7 @@ import optax
 import pytest
 
 from configs import default
-from jaxtrain import optim
+from jaxtrain.training import optim
 
 
 def opt_config(**overrides):

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from jaxtrain import checkpoint, hlo, optim, prepare, replicas, train
-from jaxtrain.errors import ConfigError
-from configs import cifar_speedrun
 from test_speedrun import narrow_speedrun
+
+from configs import cifar_speedrun
+from jaxtrain.errors import ConfigError
+from jaxtrain.perf import hlo
+from jaxtrain.training import checkpoint, chunks, optim, prepare, replicas
 
 FROZEN = ("Conv_0/kernel",)  # the speedrun's whitened stem
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -102,8 +103,8 @@ def train_twenty_steps(config, run, state):
     """(kernels per step of the compiled scanned chunk, the state after 10 and 20 steps,
     the chunk): two epochs of 10 steps from `state`."""
     x_train, y_train = prepare.put_train_data(run)
-    run_chunk = train.compile_chunks("scan", state, x_train, y_train, run.data_key, {10},
-                                     prepare.step_arguments(config, run))
+    run_chunk = chunks.compile_chunks("scan", state, x_train, y_train, run.data_key, {10},
+                                      prepare.step_arguments(config, run))
     kernels = sum(hlo.kernel_counts(run_chunk.programs[0].as_text()).values())
     middle, _ = run_chunk(state, run.data_key, 0, 0, 10)
     kept = jax.tree.map(jnp.copy, middle)  # the chunk donates its input
@@ -185,7 +186,7 @@ def test_a_sweep_steps_each_replica_as_its_single_run_with_both_keys():
     ("head", "flatten", True, r"config.optimizer.groups.head: unknown key\(s\) flatten"),
 ])
 def test_bad_values_of_the_keys_are_config_errors_naming_them(where, key, value, message):
-    from jaxtrain import checks
+    from jaxtrain.config import checks
     config, params = speedrun_like()
     with config.unlocked():
         (config.optimizer.groups[where] if where else config.optimizer)[key] = value

@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 import jaxtrain
-from jaxtrain import ConfigError, parallel, prepare, report
+from jaxtrain import ConfigError
+from jaxtrain.runtime import mesh as mesh_lib
+from jaxtrain.runtime import processes as processes_lib
+from jaxtrain.runtime import report
+from jaxtrain.training import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,16 +144,16 @@ def test_a_coordinator_port_is_waited_for_while_a_service_holds_it():
         server.bind(("::", 0))
         server.listen()
         port = server.getsockname()[1]
-        assert not parallel.wait_until_free(port, 0.3)
-    assert parallel.wait_until_free(port, 5.0)
+        assert not processes_lib.wait_until_free(port, 0.3)
+    assert processes_lib.wait_until_free(port, 5.0)
 
 
 def test_a_stopped_run_releases_its_coordination_service():
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    parallel.SERVICE["helper"] = helper
-    parallel.release_service()
-    assert helper.wait(timeout=10) == -signal.SIGTERM and "helper" not in parallel.SERVICE
-    parallel.release_service()  # nothing left: nothing to do
+    processes_lib.SERVICE["helper"] = helper
+    processes_lib.release_service()
+    assert helper.wait(timeout=10) == -signal.SIGTERM and "helper" not in processes_lib.SERVICE
+    processes_lib.release_service()  # nothing left: nothing to do
 
 
 def start_two_and_wait_for_a_checkpoint(workdir, data_dir):
@@ -170,7 +174,7 @@ def start_two_and_wait_for_a_checkpoint(workdir, data_dir):
 
 def trainer_of(process) -> int:
     """The pid of the child that trains for a process of a multi-process run (the
-    process itself is jaxtrain/supervise.py's parent)."""
+    process itself is jaxtrain/runtime/supervise.py's parent)."""
     children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
     assert len(children) == 1, children
     return int(children[0])
@@ -190,7 +194,7 @@ def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_b
     killed_at = time.monotonic()
     result = finish(processes[survivor], timeout=120)
     finish(processes[lost])
-    assert result.returncode == parallel.PEER_LOST, result.stderr[-3000:]
+    assert result.returncode == processes_lib.PEER_LOST, result.stderr[-3000:]
     assert time.monotonic() - killed_at < 4 + 10
     assert "Traceback" not in result.stderr and "Check failure" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -215,7 +219,7 @@ def test_a_survivor_that_ends_inside_the_runtime_still_says_one_line(tmp_path,
     os.kill(trainer, signal.SIGABRT)
     result = finish(processes[0], timeout=120)
     finish(processes[1])
-    assert result.returncode == parallel.PEER_LOST, result.stderr[-3000:]
+    assert result.returncode == processes_lib.PEER_LOST, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-3000:]
     rest = result.stderr.replace(lines[0], "")
@@ -344,7 +348,7 @@ def test_a_batch_that_does_not_split_over_the_devices_stops_with_a_message(
 
 
 def test_check_batch_split_names_the_nearest_sizes():
-    mesh = parallel.create_mesh()  # this process: one device
+    mesh = mesh_lib.create_mesh()  # this process: one device
     prepare.check_batch_split(7, mesh)
 
     class EightDevices:
@@ -366,26 +370,26 @@ def test_eval_batches_round_up_to_the_device_count(cifar_subset):
 # ---------------------------------------------------------------- launch settings
 
 def test_a_single_process_run_does_not_initialize():
-    assert parallel.distributed_settings(environ={}) is None
-    assert parallel.distributed_settings(environ={"SLURM_NTASKS": "1"}) is None
-    assert parallel.distributed_settings(num_processes=1, environ={}) is None
+    assert processes_lib.distributed_settings(environ={}) is None
+    assert processes_lib.distributed_settings(environ={"SLURM_NTASKS": "1"}) is None
+    assert processes_lib.distributed_settings(num_processes=1, environ={}) is None
 
 
 def test_flags_and_environment_configure_the_processes():
-    assert parallel.distributed_settings("host:1234", 4, 2, environ={}) == {
+    assert processes_lib.distributed_settings("host:1234", 4, 2, environ={}) == {
         "coordinator_address": "host:1234", "num_processes": 4, "process_id": 2}
     environ = {"JAX_COORDINATOR_ADDRESS": "head:99", "JAX_NUM_PROCESSES": "2",
                "JAX_PROCESS_ID": "1"}
-    assert parallel.distributed_settings(environ=environ) == {
+    assert processes_lib.distributed_settings(environ=environ) == {
         "coordinator_address": "head:99", "num_processes": 2, "process_id": 1}
     # a flag wins over the environment
-    assert parallel.distributed_settings(process_id=0, environ=environ)["process_id"] == 0
+    assert processes_lib.distributed_settings(process_id=0, environ=environ)["process_id"] == 0
 
 
 def test_slurm_and_open_mpi_leave_the_rest_to_jax_auto_detection():
-    assert parallel.distributed_settings(environ={"SLURM_NTASKS": "16"}) == {}
-    assert parallel.distributed_settings(environ={"OMPI_COMM_WORLD_SIZE": "2"}) == {}
-    settings = parallel.distributed_settings("head:99", environ={"SLURM_NTASKS": "16"})
+    assert processes_lib.distributed_settings(environ={"SLURM_NTASKS": "16"}) == {}
+    assert processes_lib.distributed_settings(environ={"OMPI_COMM_WORLD_SIZE": "2"}) == {}
+    settings = processes_lib.distributed_settings("head:99", environ={"SLURM_NTASKS": "16"})
     assert settings == {"coordinator_address": "head:99", "num_processes": None,
                         "process_id": None}
 
@@ -400,8 +404,8 @@ def test_slurm_and_open_mpi_leave_the_rest_to_jax_auto_detection():
     ({}, {"JAX_NUM_PROCESSES": "two"}, r"\$JAX_NUM_PROCESSES='two' is not a valid int"),
 ])
 def test_incomplete_or_wrong_settings_are_named(kwargs, environ, message):
-    with pytest.raises(parallel.DistributedError, match=message):
-        parallel.distributed_settings(**kwargs, environ=environ)
+    with pytest.raises(processes_lib.DistributedError, match=message):
+        processes_lib.distributed_settings(**kwargs, environ=environ)
 
 
 def test_main_reports_incomplete_settings_without_a_traceback(tmp_path):
@@ -412,7 +416,7 @@ def test_main_reports_incomplete_settings_without_a_traceback(tmp_path):
 
 
 def test_only_processes_of_a_multi_process_run_with_the_peer_watch_are_supervised():
-    from jaxtrain import supervise
+    from jaxtrain.runtime import supervise
     two = ["--config=c.py", "--num_processes=2", "--process_id=0"]
     assert supervise.wanted(two, {})
     assert not supervise.wanted(two + ["--peer_timeout=0"], {})  # the watch is off

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import checks, defaults, models, pooling
+from jaxtrain import models
+from jaxtrain.config import checks, defaults
+from jaxtrain.models.ops import pooling
 
 
 @pytest.mark.parametrize("shape", [(3, 8, 8, 5), (2, 27, 27, 4), (2, 13, 6, 3), (1, 2, 3, 1)])

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import jaxtrain
-from jaxtrain import loop
+from jaxtrain.config.defaults import get_config
 from jaxtrain.data import folder
-from jaxtrain.defaults import get_config
+from jaxtrain.run import loop
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_SIZE = 24  # the run resizes its 32 px CIFAR JPEGs, so every file here is resized too

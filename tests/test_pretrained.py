@@ -15,9 +15,10 @@ import threading
 
 import pytest
 
-from jaxtrain import pretrained
-from jaxtrain.data import DataError, download as dl
+from jaxtrain.data import DataError
+from jaxtrain.data import download as dl
 from jaxtrain.errors import ConfigError
+from jaxtrain.weights import pretrained
 
 RESNET = b'fake resnet18 state_dict ' * 4000
 VIT = b'fake vit safetensors ' * 3000

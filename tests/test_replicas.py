@@ -10,13 +10,17 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+import test_checkpoint
+from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain import ConfigError, checks, loop, replicas, report
-from jaxtrain.defaults import get_config
-import test_checkpoint
-from overrides import with_overrides
+from jaxtrain import ConfigError
+from jaxtrain.config import checks
+from jaxtrain.config.defaults import get_config, param_group
+from jaxtrain.run import loop
+from jaxtrain.runtime import report
+from jaxtrain.training import replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,8 +68,7 @@ OPTIMIZERS = {  # name -> overrides: each optimiser at a rate it trains this MLP
                   optimizer__weight_decay=0.05),
     "sgd": dict(optimizer__name="sgd", optimizer__learning_rate=0.1, optimizer__nesterov=True),
     "muon": dict(optimizer__name="sgd", optimizer__learning_rate=0.05, optimizer__groups=dict(
-        kernels=jaxtrain.defaults.param_group(r"Dense_\d+/kernel", name="muon", momentum=0.95,
-                                              lr_scale=0.4))),
+        kernels=param_group(r"Dense_\d+/kernel", name="muon", momentum=0.95, lr_scale=0.4))),
 }
 
 

@@ -7,17 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from overrides import with_overrides
 
 import jaxtrain
-from jaxtrain import ConfigError, loop, models, parallel, prepare, report
-from jaxtrain.defaults import get_config
-from overrides import with_overrides
+from jaxtrain import ConfigError, models
+from jaxtrain.config import checks
+from jaxtrain.config.defaults import get_config
+from jaxtrain.run import loop
+from jaxtrain.runtime import mesh as mesh_lib
+from jaxtrain.runtime import report
+from jaxtrain.training import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,9 +112,9 @@ def test_accumulation_with_batchnorm_trains_and_resumes_exactly(arrays32, tmp_pa
 
 
 def test_micro_batches_take_an_equal_share_of_every_devices_rows():
-    from jaxtrain import train
+    from jaxtrain.training import step as step_lib
     rows = np.arange(16)  # 4 devices x 4 rows each: device d holds rows 4d .. 4d + 3
-    micro = np.asarray(train.micro_batches(jnp.asarray(rows), 2))
+    micro = np.asarray(step_lib.micro_batches(jnp.asarray(rows), 2))
     assert micro.shape == (2, 8)
     for batch in micro:
         assert sorted(np.bincount(batch // 4, minlength=4)) == [2, 2, 2, 2]
@@ -121,11 +125,11 @@ def test_accumulate_steps_must_divide_the_batch():
     config = small_config("x.npz", train__accumulate_steps=3)
     with pytest.raises(ConfigError, match=r"config.train.accumulate_steps=3: must divide "
                                           r"train.batch_size=32"):
-        jaxtrain.checks.check_config(config)
+        checks.check_config(config)
 
 
 def test_the_batch_per_device_must_split_into_micro_batches():
-    mesh = parallel.create_mesh(jax.devices() * 1)
+    mesh = mesh_lib.create_mesh(jax.devices() * 1)
     prepare.check_batch_split(32, mesh, 4)
     with pytest.raises(ConfigError, match=r"accumulate_steps=64 does not divide the batch per "
                                           r"device \(32 / 1 devices = 32 images\)"):
@@ -169,19 +173,19 @@ def test_remat_gives_the_same_loss_and_gradients(name, size, cifar_subset):
 def test_remat_is_refused_for_a_model_without_blocks():
     config = small_config("x.npz", model__name="mlp", model__remat=True)
     with pytest.raises(ConfigError, match="config.model.remat=True: applies to cifar_cnn"):
-        jaxtrain.checks.check_config(config)
+        checks.check_config(config)
 
 
 # ---------------------------------------------------------------- fsdp layout
 
 def test_fsdp_splits_big_tensors_along_a_dimension_that_divides():
-    assert parallel.fsdp_spec((3, 3, 64, 128), 8) == jax.sharding.PartitionSpec(
+    assert mesh_lib.fsdp_spec((3, 3, 64, 128), 8) == jax.sharding.PartitionSpec(
         None, None, None, "fsdp")
-    assert parallel.fsdp_spec((768, 3072), 4) == jax.sharding.PartitionSpec(None, "fsdp")
-    assert parallel.fsdp_spec((3072, 768), 4) == jax.sharding.PartitionSpec("fsdp", None)
-    assert parallel.fsdp_spec((10, 1001), 8) == jax.sharding.PartitionSpec()  # none divides
-    assert parallel.fsdp_spec((256,), 8) == jax.sharding.PartitionSpec()  # small: replicated
-    assert parallel.fsdp_spec((4096, 7), 1) == jax.sharding.PartitionSpec()
+    assert mesh_lib.fsdp_spec((768, 3072), 4) == jax.sharding.PartitionSpec(None, "fsdp")
+    assert mesh_lib.fsdp_spec((3072, 768), 4) == jax.sharding.PartitionSpec("fsdp", None)
+    assert mesh_lib.fsdp_spec((10, 1001), 8) == jax.sharding.PartitionSpec()  # none divides
+    assert mesh_lib.fsdp_spec((256,), 8) == jax.sharding.PartitionSpec()  # small: replicated
+    assert mesh_lib.fsdp_spec((4096, 7), 1) == jax.sharding.PartitionSpec()
 
 
 # ---------------------------------------------------------------- several devices
@@ -335,7 +339,7 @@ def check_two_processes_of_four_devices_train_with_fsdp(out, tmp_path, arrays32)
 def test_the_largest_batch_search_brackets_the_limit(monkeypatch):
     """memory.largest_batch on a step whose peak is 100 MB + 1 MB an image, limit 612 MB:
     512 fits, 520 does not, found in a few compiles (here: faked analyses)."""
-    from jaxtrain import memory
+    from jaxtrain.perf import memory
     seen = []
 
     def fake_step_memory(config):

@@ -10,10 +10,13 @@ import types
 import jax
 import numpy as np
 import pytest
+from overrides import with_overrides
 
 from configs import cifar_speedrun
-from jaxtrain import bench, checkpoint, hlo, loop, prepare
-from overrides import with_overrides
+from jaxtrain.perf import benchmark, hlo
+from jaxtrain.run import loop, start
+from jaxtrain.run import plan as plan_lib
+from jaxtrain.training import checkpoint, prepare
 
 SEED = 3
 
@@ -45,8 +48,8 @@ def main_run(cifar_batches_dir, tmp_path_factory):
 def test_a_benchmark_run_of_the_record_recipe_is_main_py_s_run(cifar_batches_dir, main_run):
     _, summary = main_run
     assert summary["test_accuracy"] > 0.15  # it learns: chance is 0.1
-    result = bench.benchmark(narrow_speedrun(cifar_batches_dir), runs=1, warmup=0,
-                             first_seed=SEED, stream=io.StringIO())
+    result = benchmark.benchmark(narrow_speedrun(cifar_batches_dir), runs=1, warmup=0,
+                                 first_seed=SEED, stream=io.StringIO())
     run = result["runs"][0]
     assert run["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-5)
     assert run["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-5)
@@ -137,12 +140,12 @@ def test_the_plan_and_the_programs_are_cut_at_the_stem_bias_s_last_step(cifar_ba
     programs these are: they come from the compilation cache."""
     config = narrow_speedrun(cifar_batches_dir, train__drop_finished_groups=True)
     run = prepare.setup(config)
-    cuts = loop.finished_group_cuts(config, run)
+    cuts = start.finished_group_cuts(config, run)
     assert cuts == {15: frozenset({"Conv_0/bias"})}
-    assert loop.finished_group_cuts(narrow_speedrun(cifar_batches_dir), run) == {}
-    plan = loop.plan_chunks(20, 10, start_step=10, breaks=tuple(cuts))
+    assert start.finished_group_cuts(narrow_speedrun(cifar_batches_dir), run) == {}
+    plan = plan_lib.plan_chunks(20, 10, start_step=10, breaks=tuple(cuts))
     assert plan == [(1, 0, 5), (1, 5, 5)]
-    run_chunk = loop.compile_training(config, run, run.state, run.data_key, plan, None,
+    run_chunk = start.compile_training(config, run, run.state, run.data_key, plan, None,
                                       prepare.put_train_data(run), cuts)
     (before,), (after,) = [step_convolutions(program.as_text())
                            for program in run_chunk.programs]
@@ -151,7 +154,7 @@ def test_the_plan_and_the_programs_are_cut_at_the_stem_bias_s_last_step(cifar_ba
 
 def test_the_benchmark_s_one_program_drops_the_gradient_after_the_cut(cifar_batches_dir,
                                                                        main_run):
-    """bench.whole_run with train.drop_finished_groups: the epochs' scans split at step 15
+    """benchmark.whole_run with train.drop_finished_groups: the epochs' scans split at step 15
     (mid-epoch: a partial epoch each side), the steps after it with one convolution fewer,
     and main_run's weights to the bit at the end (evaluation left out: it is dead code
     when only the weights are asked for)."""
@@ -160,7 +163,7 @@ def test_the_benchmark_s_one_program_drops_the_gradient_after_the_cut(cifar_batc
     run = prepare.setup(config, abstract_state=True)
     x_train, y_train = prepare.put_train_data(run)
     eval_arrays = prepare.put_eval_data(config, run)
-    whole_run = bench.whole_run_fn(config, run, with_weights=True)
+    whole_run = benchmark.whole_run_fn(config, run, with_weights=True)
     program = jax.jit(lambda *args: whole_run(*args)[1]).lower(
         np.int32(SEED), x_train, y_train, eval_arrays).compile()
     # epoch 0 and steps 11-15 before the cut, steps 16-20 and epoch 2 after it

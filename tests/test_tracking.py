@@ -1,4 +1,4 @@
-"""jaxtrain/tracking.py: MLflow and W&B read back from their own local stores (a real
+"""jaxtrain/callbacks/trackers/: MLflow and W&B read back from their own local stores (a real
 SQLite MLflow store; W&B's offline run file), and neither imported when not asked for."""
 import glob
 import json
@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from jaxtrain import loop, report, tracking
 from test_callbacks import mlp_config
+
+from jaxtrain.run import loop
+from jaxtrain.callbacks.trackers import tracker
+from jaxtrain.runtime import report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,14 +97,14 @@ def test_wandb_offline_keeps_every_row_in_its_run_folder(cifar_batches_dir, tmp_
     assert [h["_step"] for h in history] == [r["step"] for r in rows]
     assert [h["train_loss"] for h in history] == pytest.approx([r["train_loss"] for r in rows])
     assert history[1]["test_accuracy"] == pytest.approx(rows[1]["test_accuracy"])
-    assert json.loads((tmp_path / tracking.TRACKING_FILE).read_text())["wandb"]
+    assert json.loads((tmp_path / tracker.TRACKING_FILE).read_text())["wandb"]
 
 
 def test_a_plain_run_imports_neither_tracker(cifar_batches_dir, tmp_path):
     script = f"""
 import sys
 from test_callbacks import mlp_config
-from jaxtrain import loop
+from jaxtrain.run import loop
 loop.train_and_evaluate(mlp_config({str(cifar_batches_dir)!r}, train__num_steps=2), {str(tmp_path)!r})
 print(sorted(name for name in ("mlflow", "wandb") if name in sys.modules))
 """
@@ -117,4 +119,4 @@ print(sorted(name for name in ("mlflow", "wandb") if name in sys.modules))
 def test_a_missing_tracker_package_is_one_line():
     with pytest.raises(Exception, match=r"config\.logging\.nosuch needs the "
                        r"no_such_tracker_package package: pip install 'jaxtrain\[nosuch\]'"):
-        tracking.import_optional("no_such_tracker_package", "nosuch")
+        tracker.import_optional("no_such_tracker_package", "nosuch")

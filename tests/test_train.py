@@ -8,12 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from configs import cifar, cifar_seed_cnn, default
-import jaxtrain
-from jaxtrain import (ConfigError, TrainingError, augment, data, loop, models, optim, prepare,
-                      report, train)
 from overrides import with_overrides
+
+import jaxtrain
+from configs import cifar, cifar_seed_cnn, default
+from jaxtrain import ConfigError, TrainingError, data, models
+from jaxtrain.run import loop
+from jaxtrain.runtime import report
+from jaxtrain.training import augment, evaluation, optim, prepare, train_state
+from jaxtrain.training import chunks as chunks_lib
+from jaxtrain.training import step as step_lib
 
 
 def small_config(data_dir, base=cifar, **overrides):
@@ -143,13 +147,13 @@ def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
     model = models.create_model(config.model, 10, np.float32)
     tx = optim.create_optimizer(config.optimizer,
                                       optim.create_schedule(config.optimizer, 1))
-    state = train.create_train_state(jax.random.key(0), model, tx, (32, 32, 3))
+    state = train_state.create_train_state(jax.random.key(0), model, tx, (32, 32, 3))
     results = []
     for batch_size in (500, 300, 7):
         arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, batch_size)
         assert int(arrays[2].sum()) == 500
-        results.append(train.evaluate(state, *arrays, mean=(0.5,), std=(0.25,), tta="flip",
-                                      pad_mode="reflect"))
+        results.append(evaluation.evaluate(state, *arrays, mean=(0.5,), std=(0.25,), tta="flip",
+                                           pad_mode="reflect"))
     for other in results[1:]:
         assert float(other["accuracy"]) == pytest.approx(float(results[0]["accuracy"]))
         assert float(other["loss"]) == pytest.approx(float(results[0]["loss"]), rel=1e-5)
@@ -189,7 +193,7 @@ def test_a_whitened_stem_stays_fixed_while_the_rest_trains(cifar_batches_dir, tm
 # ---------------------------------------------------------------- the epoch driver
 
 def recording_step(state, images, labels, key, mirror=None, *, augment_kwargs, **_):
-    """Stands in for train.train_step: the 'state' records the augmented image that each
+    """Stands in for step.train_step: the 'state' records the augmented image that each
     example (its label is its index) was trained on."""
     seen = augment.augment_batch(images, key, mirror=mirror, **augment_kwargs)
     return state.at[labels].set(seen), {"loss": jnp.zeros(()), "accuracy": jnp.zeros(())}
@@ -209,8 +213,8 @@ def record_epoch(loop, augment_kwargs, epochs, n=12, batch=3):
                        num_classes=n, label_smoothing=0.0)
     key = jax.random.key(11)
     steps = n // batch
-    run_chunk = train.compile_chunks(loop, jnp.zeros_like(x), x, y, key, {steps, steps // 2},
-                                     step_kwargs)
+    run_chunk = chunks_lib.compile_chunks(loop, jnp.zeros_like(x), x, y, key, {steps, steps // 2},
+                                          step_kwargs)
     seen = {}
     for epoch in epochs:
         whole, _ = run_chunk(jnp.zeros_like(x), key, epoch, 0, steps)
@@ -223,7 +227,7 @@ def record_epoch(loop, augment_kwargs, epochs, n=12, batch=3):
 
 @pytest.mark.parametrize("loop", ["scan", "python"])
 def test_alternating_flip_mirrors_base_xor_odd_epoch(monkeypatch, loop):
-    monkeypatch.setattr(train, "train_step", recording_step)
+    monkeypatch.setattr(step_lib, "train_step", recording_step)
     kwargs = dict(flip=True, alternate_flip=True, translate=0, pad_mode="reflect")
     x, key, seen = record_epoch(loop, kwargs, epochs=(0, 1, 2))
     base = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, augment.FLIP_STREAM), 0.5,
@@ -240,7 +244,7 @@ def test_alternating_flip_mirrors_base_xor_odd_epoch(monkeypatch, loop):
 def test_without_alternate_flip_the_epoch_keeps_its_old_order_and_keys(monkeypatch, loop):
     """The derivation from before the epoch driver: order and augmentation key from
     split(fold_in(key, epoch)), step s augmented with fold_in(augment_key, s)."""
-    monkeypatch.setattr(train, "train_step", recording_step)
+    monkeypatch.setattr(step_lib, "train_step", recording_step)
     kwargs = dict(flip=True, alternate_flip=False, translate=1, pad_mode="constant")
     x, key, seen = record_epoch(loop, kwargs, epochs=(0, 3))
     for epoch, images in seen.items():
@@ -268,10 +272,10 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
                        label_smoothing=0.1, augment_kwargs=dict(
                            flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
     key = jax.random.key(2)
-    initial = train.create_train_state(jax.random.key(0), model, tx, (8, 8, 3))
+    initial = train_state.create_train_state(jax.random.key(0), model, tx, (8, 8, 3))
     results = {}
     for kind in ("scan", "python"):
-        run_chunk = train.compile_chunks(kind, initial, x, y, key, {2, 4}, step_kwargs)
+        run_chunk = chunks_lib.compile_chunks(kind, initial, x, y, key, {2, 4}, step_kwargs)
         for chunks in ((4,), (2, 2)):
             state = jax.tree.map(jnp.copy, initial)  # the chunks donate their input state
             for epoch in range(2):
@@ -303,7 +307,7 @@ def test_replicas_trained_together_equal_their_single_runs(name):
                        label_smoothing=0.1, augment_kwargs=dict(
                            flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
     seeds = (0, 1, 2)
-    singles = [train.create_train_state(jax.random.key(s), model, tx, shape) for s in seeds]
+    singles = [train_state.create_train_state(jax.random.key(s), model, tx, shape) for s in seeds]
     keys = [jax.random.key(10 + s) for s in seeds]
     together = jax.tree.map(lambda *leaves: jnp.stack(leaves), *singles)
     stacked_keys = jnp.stack(keys)
@@ -315,10 +319,10 @@ def test_replicas_trained_together_equal_their_single_runs(name):
         return state, summary
 
     for kind in ("scan", "python"):
-        alone = [train_two_epochs(train.compile_chunks(kind, s, x, y, k, {2}, step_kwargs),
+        alone = [train_two_epochs(chunks_lib.compile_chunks(kind, s, x, y, k, {2}, step_kwargs),
                                   jax.tree.map(jnp.copy, s), k) for s, k in zip(singles, keys)]
-        run_chunk = train.compile_chunks(kind, together, x, y, stacked_keys, {2}, step_kwargs,
-                                         replicas=True)
+        run_chunk = chunks_lib.compile_chunks(kind, together, x, y, stacked_keys, {2}, step_kwargs,
+                                              replicas=True)
         state, summary = train_two_epochs(run_chunk, jax.tree.map(jnp.copy, together),
                                           stacked_keys)
         assert summary["per_step"]["loss"].shape == (3, 2)
@@ -338,15 +342,15 @@ def test_a_skipped_step_uses_up_its_slot_of_the_schedule():
     model = models.create_model(model_config, 10, jnp.float32)
     schedule = optax.linear_schedule(0.1, 0.0, 10)
     tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(schedule, momentum=0.9))
-    state = train.create_train_state(jax.random.key(0), model, tx, (4, 4, 1))
+    state = train_state.create_train_state(jax.random.key(0), model, tx, (4, 4, 1))
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (8, 4, 4, 1), dtype=np.uint8)
     labels = rng.integers(0, 10, 8).astype(np.int32)
     kwargs = dict(mean=(0.5,), std=(0.25,), augment_kwargs={}, num_classes=10,
                   label_smoothing=0.0, skip_nonfinite=True)
-    step = jax.jit(functools.partial(train.train_step, **kwargs))
+    step = jax.jit(functools.partial(step_lib.train_step, **kwargs))
     state, _ = step(state, images, labels, jax.random.key(1))
-    bad = jax.jit(functools.partial(train.train_step, **dict(kwargs, std=(0.0,))))  # x / 0
+    bad = jax.jit(functools.partial(step_lib.train_step, **dict(kwargs, std=(0.0,))))  # x / 0
     skipped, metrics = bad(state, images, labels, jax.random.key(2))
     assert not np.isfinite(metrics["loss"])
     assert int(skipped.step) == 2
@@ -373,7 +377,7 @@ def tta_setup(cifar_subset):
     config.model.widths, config.model.stem_width = (8, 16, 16), 8
     config.model.head_scale = 30.0  # logits of order 1, so that TTA visibly changes them
     model = models.create_model(config.model, 10, jnp.float32)
-    state = train.create_train_state(jax.random.key(0), model, optax.sgd(0.1), (32, 32, 3))
+    state = train_state.create_train_state(jax.random.key(0), model, optax.sgd(0.1), (32, 32, 3))
     # 500 images in batches of 200: 100 padding rows, random images (not black) so that
     # TTA would change their logits if they were ever picked
     arrays = list(prepare.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
@@ -387,18 +391,18 @@ def per_view_logits(state, images, tta):
     """predict_logits as it was: one forward per TTA view."""
     views, weights = augment.tta_views(images, tta, "reflect")
     variables = {"params": state.params, "batch_stats": state.batch_stats}
-    return sum(w * state.apply_fn(variables, train.normalize(v, MEAN, STD), train=False)
+    return sum(w * state.apply_fn(variables, step_lib.normalize(v, MEAN, STD), train=False)
                for w, v in zip(weights, views))
 
 
 def logits(state, arrays, tta, tta_images=None):
-    return np.asarray(train.eval_logits(state, arrays[0], arrays[2], mean=MEAN, std=STD, tta=tta,
-                                        pad_mode="reflect", tta_images=tta_images))
+    return np.asarray(evaluation.eval_logits(state, arrays[0], arrays[2], mean=MEAN, std=STD,
+                                             tta=tta, pad_mode="reflect", tta_images=tta_images))
 
 
 def evaluate(state, arrays, tta, tta_images=None):
-    metrics = train.evaluate(state, *arrays, mean=MEAN, std=STD, tta=tta, pad_mode="reflect",
-                             tta_images=tta_images)
+    metrics = evaluation.evaluate(state, *arrays, mean=MEAN, std=STD, tta=tta, pad_mode="reflect",
+                                  tta_images=tta_images)
     return float(metrics["loss"]), float(metrics["accuracy"])
 
 
@@ -406,7 +410,8 @@ def evaluate(state, arrays, tta, tta_images=None):
 def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
     state, arrays = tta_setup
     images = jnp.asarray(arrays[0][0, :50])
-    stacked = train.predict_logits(state, images, mean=MEAN, std=STD, tta=tta, pad_mode="reflect")
+    stacked = evaluation.predict_logits(state, images, mean=MEAN, std=STD, tta=tta,
+                                        pad_mode="reflect")
     np.testing.assert_allclose(np.asarray(stacked), np.asarray(per_view_logits(state, images, tta)),
                                atol=1e-5, rtol=1e-5)
 
@@ -461,8 +466,8 @@ def test_the_batch_by_batch_evaluation_is_evaluate(tta_setup, tta, tta_images):
     between two batches."""
     state, arrays = tta_setup
     kwargs = dict(mean=MEAN, std=STD, tta=tta, pad_mode="reflect", tta_images=tta_images)
-    whole = train.evaluate(state, *arrays, **kwargs)
-    by_batch = train.compile_evaluation(state, *arrays, **kwargs)
+    whole = evaluation.evaluate(state, *arrays, **kwargs)
+    by_batch = evaluation.compile_evaluation(state, *arrays, **kwargs)
     done = []
     metrics = by_batch(state, *arrays, progress=done.append)
     assert sum(done) == by_batch.batches == 3 + (1 if tta_images else 0)  # 50 images: 1 batch
@@ -470,14 +475,14 @@ def test_the_batch_by_batch_evaluation_is_evaluate(tta_setup, tta, tta_images):
         assert float(metrics[name]) == pytest.approx(float(whole[name]), rel=1e-6, abs=0)
     pair = jax.tree.map(lambda x: jnp.stack([x, x]), state)
     pair = pair.replace(params=jax.tree.map(lambda x: x.at[1].multiply(0.5), pair.params))
-    replicated = train.compile_evaluation(pair, *arrays, **kwargs, replicas=True)
+    replicated = evaluation.compile_evaluation(pair, *arrays, **kwargs, replicas=True)
     both = replicated(pair, *arrays)
-    other = train.evaluate(jax.tree.map(lambda x: x[1], pair), *arrays, **kwargs)
+    other = evaluation.evaluate(jax.tree.map(lambda x: x[1], pair), *arrays, **kwargs)
     for name in ("loss", "accuracy"):
         assert float(both[name][0]) == pytest.approx(float(whole[name]), rel=1e-6, abs=0)
         assert float(both[name][1]) == pytest.approx(float(other[name]), rel=1e-6, abs=0)
     asked = []
-    with pytest.raises(train.EvaluationStopped):
+    with pytest.raises(evaluation.EvaluationStopped):
         by_batch(state, *arrays, should_stop=lambda: asked.append(1) or len(asked) == 2)
     assert len(asked) == 2  # stopped after the second batch, the third never ran
 

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain import compare, models, user_model
-from overrides import with_overrides
+from jaxtrain import models
+from jaxtrain.baselines import runner
+from jaxtrain.models import user
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,6 +96,6 @@ def test_bad_model_names_say_what_is_wrong(mynets):
 
 def test_compare_refuses_a_model_without_a_twin(mynets, cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, "mynets:TinyNet")
-    assert compare.torch_unsupported(config) == [
+    assert runner.torch_unsupported(config) == [
         "model.name='mynets:TinyNet' (your own model has no PyTorch twin)"]
-    assert user_model.is_user_model("a.b:C") and not user_model.is_user_model("resnet18")
+    assert user.is_user_model("a.b:C") and not user.is_user_model("resnet18")

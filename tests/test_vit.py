@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtrain import defaults, models, torch_models, vit
+from jaxtrain import models
+from jaxtrain.baselines import torch_models
+from jaxtrain.config import defaults
+from jaxtrain.models import vit
 
 timm = pytest.importorskip("timm")
 

@@ -3,7 +3,6 @@ heads re-initialised, wrong architectures and pickled code refused, frozen group
 statistics untouched, workdirs as starting points, exact resume."""
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -11,13 +10,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, prepare, train, weights
-from jaxtrain.defaults import get_config, param_group
-from jaxtrain.optim import param_path
+from jaxtrain.config.defaults import get_config, param_group
+from jaxtrain.training import checkpoint, prepare, step
+from jaxtrain.training.optim import param_path
+from jaxtrain.weights import readers
 
 REPO = Path(__file__).resolve().parents[1]
 torch = pytest.importorskip("torch")
@@ -69,7 +68,7 @@ def randomised_statistics(module):
 
 def jax_logits(run, images):
     variables = {"params": run.state.params, "batch_stats": run.state.batch_stats}
-    inputs = train.normalize(images, run.mean, run.std)
+    inputs = step.normalize(images, run.mean, run.std)
     return np.asarray(run.model.apply(variables, inputs, train=False))
 
 
@@ -91,7 +90,7 @@ def test_torchvision_resnets_give_their_logits(name, arrays_64, tmp_path, cifar_
     path = tmp_path / f"{name}.pth"
     torch.save(reference.state_dict(), path)
     run = prepare.setup(arrays_config(arrays_64, name, path, stem="imagenet"))
-    assert run.mean == weights.IMAGENET_MEAN and run.std == weights.IMAGENET_STD
+    assert run.mean == readers.IMAGENET_MEAN and run.std == readers.IMAGENET_STD
     images = upscaled(cifar_subset["x_test"][:8])
     error = relative_error(jax_logits(run, images), torch_logits(reference, images, run.mean,
                                                                  run.std))
@@ -161,7 +160,7 @@ def test_a_vit_at_another_image_size_resamples_its_position_table(arrays_64, tmp
     run = prepare.setup(arrays_config(arrays_64, "vit_tiny", path))
     assert run.init_from["resampled"] == [
         {"tensor": "pos_embed", "weights": [1, 5, 192], "model": [1, 17, 192]}]
-    from jaxtrain import vit
+    from jaxtrain.models import vit
     np.testing.assert_allclose(
         np.asarray(run.state.params["pos_embed"]),
         vit.resample_pos_embed(reference.pos_embed.detach().numpy(), (4, 4)), rtol=1e-6)
@@ -234,18 +233,18 @@ def test_a_pickled_object_is_refused_without_running_it(tmp_path):
     path = tmp_path / "evil.pth"
     with open(path, "wb") as f:
         torch.save({"conv1.weight": torch.zeros(1), "extra": WritesAFile(str(marker))}, f)
-    with pytest.raises(weights.WeightsError, match="refused, it holds pickled objects other "
+    with pytest.raises(readers.WeightsError, match="refused, it holds pickled objects other "
                                                    "than tensors"):
-        weights.read(weights.source(str(path)))
+        readers.read(readers.source(str(path)))
     assert not marker.exists()
     not_a_state_dict = tmp_path / "list.pth"
     torch.save([torch.zeros(2)], not_a_state_dict)
-    with pytest.raises(weights.WeightsError, match="holds a list, not a state_dict of tensors"):
-        weights.read(weights.source(str(not_a_state_dict)))
+    with pytest.raises(readers.WeightsError, match="holds a list, not a state_dict of tensors"):
+        readers.read(readers.source(str(not_a_state_dict)))
     damaged = tmp_path / "damaged.pth"
     damaged.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(weights.WeightsError, match="not a readable PyTorch file"):
-        weights.read(weights.source(str(damaged)))
+    with pytest.raises(readers.WeightsError, match="not a readable PyTorch file"):
+        readers.read(readers.source(str(damaged)))
 
 
 def test_a_missing_source_fails_before_the_data_loads(tmp_path):
@@ -253,7 +252,7 @@ def test_a_missing_source_fails_before_the_data_loads(tmp_path):
     config.data.dir = str(tmp_path / "no_data_here")
     config.model.name = "resnet18"
     config.model.init_from = str(tmp_path / "nothing.pth")
-    with pytest.raises(weights.WeightsError, match="no such file or directory"):
+    with pytest.raises(readers.WeightsError, match="no such file or directory"):
         prepare.setup(config)
 
 
@@ -298,7 +297,7 @@ def folder_config(folder, init_from):
 
 def test_a_cifar_run_starts_a_five_class_folder_run(cifar_workdir, five_class_folder):
     run = prepare.setup(folder_config(five_class_folder, cifar_workdir))
-    source = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(cifar_workdir), ""), "")
+    source = readers.read_jaxtrain(readers.jaxtrain_step_dir(str(cifar_workdir), ""), "")
     flat = {f"{c}/{param_path(p)}": np.asarray(leaf)
             for c, tree in (("params", run.state.params), ("batch_stats", run.state.batch_stats))
             for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
@@ -312,7 +311,7 @@ def test_a_cifar_run_starts_a_five_class_folder_run(cifar_workdir, five_class_fo
     assert run.init_from["reinitialised"] == [
         {"tensor": "Dense_2", "weights": [84, 10], "model": [84, 5]}]
     # the source run's normalisation comes with its weights
-    meta = json.loads((Path(weights.jaxtrain_step_dir(str(cifar_workdir), ""))
+    meta = json.loads((Path(readers.jaxtrain_step_dir(str(cifar_workdir), ""))
                        / "meta" / "metadata").read_text())
     assert run.mean == tuple(meta["mean"]) and run.std == tuple(meta["std"])
 
@@ -364,7 +363,7 @@ def frozen_backbone_config(folder, init_from, workdir_steps=10):
 
 def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
         cifar_workdir, five_class_folder, tmp_path):
-    from jaxtrain import loop
+    from jaxtrain.run import loop
     config = frozen_backbone_config(five_class_folder, cifar_workdir)
     config.model.freeze_batch_stats = True
     start = prepare.setup(config)
@@ -373,8 +372,8 @@ def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
     assert backbone == []
     assert sorted(leaf.shape for leaf in head if leaf.ndim) == [(5,), (84, 5)]  # momentum
     loop.train_and_evaluate(config, str(tmp_path / "run"))
-    end = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
-    assert int(json.loads((Path(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""))
+    end = readers.read_jaxtrain(readers.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
+    assert int(json.loads((Path(readers.jaxtrain_step_dir(str(tmp_path / "run"), ""))
                            / "meta" / "metadata").read_text())["step"]) == 10
     for key, value in jax.tree_util.tree_leaves_with_path(start.state.params):
         path = "params/" + param_path(key)
@@ -390,11 +389,11 @@ def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
 
 
 def test_without_freezing_the_statistics_move(cifar_workdir, five_class_folder, tmp_path):
-    from jaxtrain import loop
+    from jaxtrain.run import loop
     config = frozen_backbone_config(five_class_folder, cifar_workdir, workdir_steps=2)
     start = prepare.setup(config)
     loop.train_and_evaluate(config, str(tmp_path / "run"))
-    end = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
+    end = readers.read_jaxtrain(readers.jaxtrain_step_dir(str(tmp_path / "run"), ""), "")
     moved = [param_path(k) for k, v in
              jax.tree_util.tree_leaves_with_path(start.state.batch_stats)
              if not np.array_equal(np.asarray(v), end["batch_stats/" + param_path(k)])]
@@ -405,13 +404,13 @@ def test_without_freezing_the_statistics_move(cifar_workdir, five_class_folder, 
 
 def test_the_pytorch_twin_starts_from_the_same_weights(arrays_64, torchvision_resnet18_file,
                                                        cifar_subset):
-    from jaxtrain import compare
+    from jaxtrain.baselines import runner
     config = arrays_config(arrays_64, "resnet18", torchvision_resnet18_file, stem="imagenet")
     config.optimizer.groups.backbone = param_group(r"(?!Dense_0/).*", freeze=True)
     config.model.freeze_batch_stats = True
     run = prepare.setup(config)
     initial = {"params": run.state.params, "batch_stats": run.state.batch_stats}
-    model, optimizer, _ = compare.torch_recipe(config, run.dataset, "cpu", 4, initial=initial)
+    model, optimizer, _ = runner.torch_recipe(config, run.dataset, "cpu", 4, initial=initial)
     model.train()  # frozen statistics: BatchNorm stays in eval mode
     images = upscaled(cifar_subset["x_test"][:8])
     assert relative_error(torch_logits(model, images, run.mean, run.std),
@@ -467,13 +466,13 @@ def test_init_from_exclude_keeps_a_fresh_head_of_the_same_shape(cifar_workdir, c
     run = prepare.setup(config)
     assert run.init_from["reinitialised"] == [
         {"tensor": "Dense_2", "weights": [84, 10], "model": [84, 10]}]
-    source = weights.read_jaxtrain(weights.jaxtrain_step_dir(str(cifar_workdir), ""), "")
+    source = readers.read_jaxtrain(readers.jaxtrain_step_dir(str(cifar_workdir), ""), "")
     assert not np.array_equal(np.asarray(run.state.params["Dense_2"]["kernel"]),
                               source["params/Dense_2/kernel"])
     np.testing.assert_array_equal(np.asarray(run.state.params["Dense_1"]["kernel"]),
                                   source["params/Dense_1/kernel"])
     config.model.init_from_exclude = "Head/.*"
-    with pytest.raises(weights.WeightsError, match=r"init_from_exclude='Head/\.\*' matches no "
+    with pytest.raises(readers.WeightsError, match=r"init_from_exclude='Head/\.\*' matches no "
                                                    "parameter"):
         prepare.setup(config)
 
@@ -488,7 +487,7 @@ def test_the_committed_transfer_measurement_holds_every_way_over_its_seeds():
 
 
 def test_a_run_saved_before_freeze_existed_resumes_and_freezing_it_is_a_change():
-    from jaxtrain import checks
+    from jaxtrain.config import checks
     config = get_config()
     config.optimizer.groups.head = param_group(r"Dense_0/.*", lr_scale=10.0)
     saved = config.to_dict()

@@ -1,4 +1,4 @@
-"""train.xla_flags (jaxtrain/xla_flags.py): XLA's flags from the config, in effect in every
+"""train.xla_flags (jaxtrain/runtime/xla_flags.py): XLA's flags from the config, in effect in every
 command that reads a config, checked against this jaxlib before JAX starts.
 
 XLA:CPU parses the GPU flags as well (one flag table for every backend) and ignores them;
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import checks, defaults, xla_flags
+from jaxtrain.config import checks, defaults
 from jaxtrain.errors import ConfigError
+from jaxtrain.runtime import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("--config=configs/cifar_seed_cnn.py", "--config.model.name=mlp",

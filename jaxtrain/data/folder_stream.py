@@ -4,7 +4,7 @@
 too big for that (ImageNet: 1.28 M JPEGs, ~190 GB decoded at 224 px) this
 module keeps only the training files' paths and labels, and decodes the images
 a batch asks for when it asks (in Grain's worker processes, see
-jaxtrain/input.py). The test split is decoded once, as load_folder does it
+jaxtrain/training/batches.py). The test split is decoded once, as load_folder does it
 (and cached), because evaluation reads all of it every time.
 
 The same decoder serves both ways (folder._decode_file: the same checks,

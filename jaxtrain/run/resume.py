@@ -1,0 +1,127 @@
+"""Saving and resuming a run: what a checkpoint records beside the state, whether a
+workdir's checkpoints belong to this recipe, a finished run recognised, a stream put
+back at its step."""
+import json
+import os
+
+from jaxtrain.config import checks
+from jaxtrain.errors import ConfigError
+from jaxtrain.runtime import processes, report
+from jaxtrain.training import checkpoint, prepare, train_state
+
+
+def completed_summary(workdir: str, config) -> dict | None:
+    """summary.json of a run in `workdir` that already reached the end `config` asks for
+    (its newest checkpoint is the summary's last step), after one line saying so; None
+    when there is anything left to train. Nothing is loaded, compiled or evaluated."""
+    path = os.path.join(workdir, report.SUMMARY_FILE)
+    steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    if not steps or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable: the run writes it anew
+    train = config.train
+    asked = (summary.get("steps") == train.num_steps if train.num_steps > 0
+             else summary.get("epochs") == train.num_epochs)
+    if max(steps) != summary.get("steps") or not asked:
+        return None
+    if saved_recipe_changes(workdir, config):  # allowed to change: the checkpoint is loaded
+        return None
+    if processes.is_main_process():
+        accuracy = summary.get("test_accuracy")
+        print(f"the run in {workdir} is complete: step {summary['steps']} of "
+              f"{summary['steps']}, test accuracy "
+              + (f"{accuracy:.2%}" if isinstance(accuracy, (int, float)) else "n/a")
+              + f"; its summary is {path} (--mode=eval evaluates it again; another "
+              "--workdir starts a new run)", flush=True)
+    return summary
+
+
+def save(session, metrics=None) -> None:
+    """Starts saving a checkpoint of the session's state, with the stream's position when
+    streaming. A replicated run's records its replicas and their last test accuracies
+    (what jaxtrain.restore picks the best replica by). `metrics`: what checkpoint.best
+    ranks the step by."""
+    run = session.setup
+    meta = checkpoint_meta(run, session.config.seed, session.state, session.train_seconds,
+                           session.eval_seconds)
+    if run.runs:
+        meta["replicas"] = [one._asdict() for one in run.runs]
+        if session.test_metrics is not None:
+            meta["replica_test_accuracy"] = session.test_metrics["accuracy"]
+    input_state = None
+    if session.stream is not None:
+        meta["input"], input_state = session.stream.checkpoint()
+    checkpoint.save(session.manager, session.state, session.data_key, meta, input_state, metrics)
+
+
+def checkpoint_meta(run: prepare.Setup, seed: int, state, train_seconds: float,
+                    eval_seconds: float) -> dict:
+    """The JSON half of a checkpoint: the data-order position and what inference needs."""
+    step = train_state.current_step(state)
+    return {"step": step, "epoch": step // run.steps_per_epoch,
+            "step_in_epoch": step % run.steps_per_epoch, "seed": seed,
+            "train_seconds": train_seconds, "eval_seconds": eval_seconds,
+            "mean": list(run.mean), "std": list(run.std),
+            "class_names": list(run.dataset.class_names),
+            "image_shape": list(run.dataset.image_shape),
+            **({"init_from": run.init_from} if run.init_from else {})}
+
+
+def check_resumable(workdir: str, config) -> None:
+    """A workdir with checkpoints resumes only the recipe that wrote them: any change that
+    alters training (checks.recipe_changes) stops here, before anything is loaded or
+    written, unless checkpoint.allow_recipe_change says to go on (and then it is said)."""
+    changes = saved_recipe_changes(workdir, config, say_moved=True)
+    if not changes:
+        return
+    listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
+    if not config.checkpoint.allow_recipe_change:
+        raise ConfigError(
+            f"{workdir} holds checkpoints of another recipe ({listed}). Use a new --workdir, "
+            "or resume anyway with --config.checkpoint.allow_recipe_change=True (the run is "
+            "then no longer an exact resume)")
+    if processes.is_main_process():
+        print(f"resuming with a changed recipe ({listed}): checkpoint.allow_recipe_change=True;"
+              " the run is no longer an exact resume of the one that wrote the checkpoints",
+              flush=True)
+
+
+def saved_recipe_changes(workdir: str, config, say_moved: bool = False) -> list:
+    """checks.recipe_changes between the config.json beside workdir's checkpoints and
+    `config` ([] without checkpoints); a data.dir that moved is not a change."""
+    path = os.path.join(workdir, checkpoint.CONFIG_FILE)
+    if not checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)) or not os.path.isfile(path):
+        return []
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise checkpoint.CheckpointError(f"{path}: cannot be read ({error}); it records the "
+                                         "recipe of the checkpoints beside it") from None
+    moved = checks.moved_data_dir(saved, config)
+    if moved is not None:  # the same recipe on data that moved
+        saved["data"]["dir"] = config.data.dir
+        if say_moved and processes.is_main_process():
+            print(f"data.dir moved: the checkpoints' run read {moved} (no longer there); "
+                  f"resuming with {config.data.dir}", flush=True)
+    return checks.recipe_changes(saved, config)
+
+
+def resume_stream(stream, manager, meta: dict, step: int) -> None:
+    """Positions `stream` at `step`: from the checkpoint's Grain iterator state when it has
+    one (a streamed run's), else (a device-placement checkpoint) by starting to read
+    there."""
+    saved = meta.get("input")
+    if saved is None:
+        stream.open(step)
+        return
+    if saved["position"] != step:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {manager.directory}/{meta['step']}: its data iterator is at step "
+            f"{saved['position']}, its model at step {step}")
+    stream.open(saved["first_step"], restore=(
+        lambda it: checkpoint.restore_input(manager, meta["step"], it), saved["position"]))

@@ -1,0 +1,187 @@
+"""A run's start: everything before its first chunk. The data and model built
+(training/prepare.py), the checkpoint restored, the input opened, the programs compiled
+(and, for jaxtrain.compare, run once untimed), the console's header printed; the
+Session the loop and its actions share (session.py) is what it returns."""
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain import models
+from jaxtrain.run import callbacks as callbacks_lib
+from jaxtrain.run import plan as plan_lib
+from jaxtrain.run import resume
+from jaxtrain.run import session as session_lib
+from jaxtrain.runtime import mesh as mesh_lib
+from jaxtrain.runtime import processes, report, signals, supervise, xla_cache
+from jaxtrain.training import checkpoint, chunks, prepare, step, train_state
+
+
+def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool, given=(),
+          peers=None):
+    """Everything before the first chunk: the data and model built, the checkpoint
+    restored, the programs compiled, the console's header printed.
+    Returns (Session, the user's callbacks)."""
+    main_process = processes.is_main_process()
+    user_callbacks = callbacks_lib.from_config(config, given)
+    cache_dir = xla_cache.enable(config.train.compilation_cache)
+    mesh = prepare.create_mesh(config)
+    prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
+    signals.enter_phase("loading the data and building the model; nothing written yet")
+    # Resuming: the initial state's shapes only (no init compiled or run for nothing);
+    # the checkpoint fills them.
+    resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
+    run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
+    streaming = run.placement == "stream"
+    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
+                                        stream=streaming,
+                                        best=checkpoint.best_policy(config.checkpoint))
+    if peers is not None:  # named if a peer process is lost
+        peers.checkpoints = str(manager.directory)
+    supervise.tell(workdir, str(manager.directory))  # and by the parent, if it watches
+    target = (checkpoint.restore_target(run.state, prepare.state_sharding(run)) if resuming
+              else run.state)
+    restored = checkpoint.restore(manager, target, run.data_key)
+    if restored is None and resuming:  # no step Orbax recognises: start afresh after all
+        run = prepare.setup(config, mesh, model=model)
+    state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
+    if meta.get("init_from"):  # what the first start loaded (a resumed run reads no weights)
+        run = dataclasses.replace(run, init_from=meta["init_from"])
+    start_step = train_state.current_step(state)
+    clock.lap("restore", None if restored is None else (
+        f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
+        "in {seconds:.1f} s"))
+    if main_process:
+        report.write_json_atomically(os.path.join(workdir, checkpoint.CONFIG_FILE),
+                                     config.to_dict())
+    clock.lap("write")
+    signals.enter_phase(f"compiling; nothing trained in this run yet (checkpoints in "
+                        f"{manager.directory})")
+
+    eval_arrays = prepare.put_eval_data(config, run)
+    save_every = plan_lib.save_interval(config, run.steps_per_epoch)
+    traced = plan_lib.profile_window(start_step, run.total_steps, profile_steps)
+    if profile_steps and traced is None and main_process:
+        print(f"--profile={profile_steps}: no step left to trace after the warm-up step "
+              f"(the run ends at step {run.total_steps}); nothing traced", flush=True)
+    cuts = finished_group_cuts(config, run)
+    plan = plan_lib.plan_chunks(
+        run.total_steps, run.steps_per_epoch,
+        (save_every, config.eval.every_steps, config.train.chunk_steps), start_step,
+        breaks=(*(traced or ()), *cuts))
+    stream, train_arrays = start_input(config, run, data_key, manager, meta, start_step)
+    clock.lap("load")  # the copy to the devices, or the stream's start
+    cache_before = xla_cache.counts()
+    run_chunk = compile_training(config, run, state, data_key, plan, stream, train_arrays, cuts)
+    eval_fn = prepare.compile_eval(config, run, state, eval_arrays)
+    compile_seconds = clock.lap("compile", f"compiled the {'training and ' if plan else ''}"
+                                "evaluation programs in {seconds:.1f} s"
+                                + cache_note(cache_dir, cache_before))
+    if warm_up and not streaming:
+        run_programs_once(run, config.train.loop, run_chunk, eval_fn, state, data_key, plan,
+                          eval_arrays, cuts)
+        clock.lap("warmup", "ran every compiled program once, untimed, in {seconds:.1f} s")
+    if streaming and start_step < run.total_steps:
+        stream.fill()  # the workers started while XLA compiled; their first batches now
+    clock.lap("load")
+    signals.enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
+
+    reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
+                               write=main_process, spread=bool(run.runs))
+    where = "host, streamed" if streaming else "devices"
+    reporter.print_line(f"data on the {where}: {run.placement_reason}"
+                        + (f"; {stream.workers} Grain workers" if streaming and stream.workers
+                           else ""))
+    replica_info = {"replicas": len(run.runs)} if run.runs else {}
+    reporter.print_header(model=config.model.name, **replica_info,
+                          params=prepare.param_count(state.params, run.runs),
+                          dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
+                          devices=jax.device_count(), processes=jax.process_count(),
+                          steps=run.total_steps, compile_seconds=compile_seconds)
+    clock.lap("write")
+    session = session_lib.Session(
+        config=config, workdir=workdir, setup=run, manager=manager, state=state,
+        data_key=data_key, start_step=start_step, resumed=restored is not None, plan=plan,
+        traced=traced, stream=stream, run_chunk=run_chunk, eval_fn=eval_fn,
+        eval_arrays=eval_arrays, clock=clock, reporter=reporter, cache_dir=cache_dir,
+        compile_seconds=compile_seconds, save_every=save_every, signal=None,
+        on_grid=plan_lib.row_grid(config.train.log_every_steps, run.steps_per_epoch,
+                                  run.total_steps),
+        schedules=plan_lib.run_schedules(config, run),
+        train_seconds=meta.get("train_seconds", 0.0), eval_seconds=meta.get("eval_seconds", 0.0))
+    return session, user_callbacks
+
+
+def run_programs_once(run: prepare.Setup, loop: str, run_chunk, eval_fn, state, data_key, plan,
+                      eval_arrays, cuts=None) -> None:
+    """Each compiled chunk (one step of a per-step loop) and the evaluation, run once on a
+    copy of `state` (the chunks donate it) with the results dropped: their first-run
+    costs are then paid before the clock starts. `cuts` (finished_group_cuts): each
+    phase's programs are run at a chunk of that phase. `loop`: config.train.loop."""
+    kind = chunks.resolve_loop(loop, run.xla_convolutions)
+    programs = {}  # (phase, length) -> the first planned chunk that runs that program
+    for epoch, first_step, length in plan:
+        phase = step.constant_at(cuts or {}, epoch * run.steps_per_epoch + first_step)
+        length = length if kind == "scan" else 1
+        programs.setdefault((phase, length), (epoch, first_step, length))
+    for epoch, first_step, length in sorted(programs.values()):
+        jax.block_until_ready(run_chunk(jax.tree.map(jnp.copy, state), data_key, epoch,
+                                        first_step, length))
+    jax.block_until_ready(eval_fn(state, *eval_arrays))
+
+
+def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start_step: int):
+    """The training data ready for the first step: (None, arrays on the devices), or (a
+    stream opened at start_step, from the checkpoint's Grain state when resuming, None)."""
+    if run.placement != "stream":
+        return None, prepare.put_train_data(run)
+    stream = prepare.open_stream(config, run, data_key)
+    if start_step < run.total_steps:
+        if "step" in meta:
+            resume.resume_stream(stream, manager, meta, start_step)
+        else:
+            stream.open(start_step)
+    return stream, None
+
+
+def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, train_arrays,
+                     cuts=None):
+    """The training steps compiled ahead of time: run_chunk (chunks.compile_chunks), or None
+    when no step is left (a resumed finished run compiles evaluation alone). `cuts`
+    (finished_group_cuts): the chunks after each cut are programs of their own, which
+    compute no gradient for the parameters held constant there (chunks.phased_chunks)."""
+    if not plan:
+        return None
+    step_kwargs, replicated = prepare.step_arguments(config, run), mesh_lib.replicated(run.mesh)
+    out_sharding = (prepare.state_sharding(run), replicated)  # (the state's, the metrics')
+    kind = chunks.resolve_loop(config.train.loop, run.xla_convolutions)
+
+    def compile_phase(constant, lengths):
+        kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
+        if stream is not None:
+            return chunks.compile_stream_chunks(state, stream, data_key,
+                                                len(run.dataset.x_train), kwargs, out_sharding)
+        return chunks.compile_chunks(kind, state, *train_arrays, data_key, lengths, kwargs,
+                                     out_sharding, replicas=bool(run.runs))
+    return chunks.phased_chunks(plan, run.steps_per_epoch, cuts or {}, compile_phase)
+
+
+def finished_group_cuts(config, run: prepare.Setup) -> dict:
+    """train.drop_finished_groups: {step: the parameters held constant from it on}
+    (step.finished_groups); else {} (every step computes every gradient)."""
+    if not config.train.get("drop_finished_groups", False):
+        return {}
+    return step.finished_groups(config.optimizer, run.state.params, run.total_steps,
+                                models.frozen_params(config.model))
+
+
+def cache_note(cache_dir: str | None, before: dict) -> str:
+    """' (...)' after the compile line: how many programs the persistent cache gave.
+    Returns a format string for Clock.lap (braces doubled)."""
+    if cache_dir is None:
+        return " (persistent compilation cache off: train.compilation_cache='')"
+    now = xla_cache.counts()
+    hits = now["hits"] - before["hits"]
+    compiled = hits + now["misses"] - before["misses"]
+    return f" ({hits} of {compiled} from the persistent cache in {cache_dir})"

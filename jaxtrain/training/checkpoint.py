@@ -1,0 +1,271 @@
+"""Orbax checkpoints: save during training, resume exactly, restore for evaluation.
+
+A checkpoint is a plain Orbax CheckpointManager step directory under
+WORKDIR/checkpoints/<step>/ with two items:
+  state: {params, batch_stats, opt_state, step, rng} as an Orbax standard pytree
+  meta:  JSON {step, epoch, step_in_epoch, seed}: the data-order position
+  input: (streamed runs) the Grain iterator's state, one JSON file per process,
+         written by Grain's own Orbax CheckpointHandler
+Nothing in it is pickled.
+"""
+import hashlib
+import logging
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxtrain.training import train_state
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"  # WORKDIR/config.json: the recipe of the checkpoints beside it
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or does not fit the model; the message says which."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+
+
+def restore_target(state, sharding):
+    """`state`'s arrays as shapes laid out by `sharding` (one for all, or a tree of one
+    per leaf: parallel.fsdp's): what restore fills without an initial state being
+    computed first. Orbax reads each array into the layout its target says, whatever
+    the device count or layout it was saved from."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state)
+    return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                 sharding=where),
+                        state, sharding)
+
+
+def saved_steps(directory: str) -> list[int]:
+    """The step numbers of the checkpoint folders in `directory` (none if it is missing)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+BEST_MODES = ("auto", "max", "min")
+
+
+def best_policy(checkpoint_config) -> tuple | None:
+    """(metric, 'max' or 'min', how many) from checkpoint.best_metric / best_mode /
+    keep_best; None when no best checkpoint is kept."""
+    metric = checkpoint_config.get("best_metric", "")
+    if not metric:
+        return None
+    mode = checkpoint_config.get("best_mode", "auto")
+    if mode == "auto":
+        mode = "max" if "accuracy" in metric else "min"
+    return metric, mode, checkpoint_config.get("keep_best", 1)
+
+
+class _NoMetricsWarning(logging.Filter):
+    """Orbax warns at every save without metrics once it tracks the best; jaxtrain saves
+    between evaluations on purpose (those steps are kept for resuming, not ranked)."""
+
+    def filter(self, record):
+        return "did not provide metrics" not in record.getMessage()
+
+
+def create_manager(directory: str, keep: int = 3, create: bool = True, stream: bool = False,
+                   best: tuple | None = None):
+    """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`;
+    `stream`: it also holds the Grain input iterator's state. `best` (best_policy's):
+    it also keeps the best checkpoints by that test metric (Orbax's BestN policy beside
+    LatestN, so the newest one that resume needs is always kept)."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"cannot use {directory} for checkpoints: it is not a directory")
+    if best is None:
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+    else:
+        metric, mode, count = best
+        policies = ocp.checkpoint_managers
+        options = ocp.CheckpointManagerOptions(
+            create=create, best_fn=lambda metrics: metrics[metric], best_mode=mode,
+            preservation_policy=policies.AnyPreservationPolicy([
+                policies.LatestN(n=keep),
+                policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
+                               reverse=mode == "min", n=count,
+                               keep_checkpoints_without_metrics=False)]))
+        for name in ("absl", ""):
+            if not any(isinstance(f, _NoMetricsWarning) for f in logging.getLogger(name).filters):
+                logging.getLogger(name).addFilter(_NoMetricsWarning())
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    if stream or _holds_input_state(directory):  # Orbax warns of items it has no handler for
+        import grain  # only streaming runs pay for the import
+        handlers["input"] = grain.checkpoint.CheckpointHandler()
+    try:
+        return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoints in {directory}: {error}") from error
+
+
+def _holds_input_state(directory: str) -> bool:
+    """Whether a checkpoint in `directory` holds a streamed run's input iterator state."""
+    try:
+        steps = [name for name in os.listdir(directory) if name.isdigit()]
+    except OSError:
+        return False
+    return any(os.path.isdir(os.path.join(directory, step, "input")) for step in steps)
+
+
+def state_tree(state, rng) -> dict:
+    """What a checkpoint holds of a TrainState, plus the run's PRNG key data (and the
+    weights' moving average, train.ema_decay)."""
+    tree = {"params": state.params, "batch_stats": state.batch_stats,
+            "opt_state": state.opt_state, "step": state.step,
+            "rng": jax.random.key_data(rng)}
+    if state.ema is not None:
+        tree["ema"] = state.ema
+    return tree
+
+
+def save(manager, state, rng, meta: dict, input_state=None, metrics: dict | None = None) -> None:
+    """Starts an asynchronous save of the state at its step; raises CheckpointError on failure.
+    input_state: a Grain iterator (or its frozen state) to save beside it. metrics: the
+    test metrics of this step, by which a manager keeping the best ranks it."""
+    step = train_state.current_step(state)
+    items = {"state": ocp.args.StandardSave(state_tree(state, rng)),
+             "meta": ocp.args.JsonSave(meta)}
+    if input_state is not None:
+        import grain
+        items["input"] = grain.checkpoint.CheckpointSave(input_state)
+    try:
+        manager.save(step, args=ocp.args.Composite(**items), metrics=metrics)
+    except OSError as error:
+        raise CheckpointError(f"saving the checkpoint of step {step} in {manager.directory} "
+                              f"failed: {error}; earlier checkpoints are untouched") from error
+
+
+def wait(manager) -> None:
+    """Blocks until pending saves are on disk; a failed background save raises CheckpointError."""
+    try:
+        manager.wait_until_finished()
+    except OSError as error:
+        raise CheckpointError(f"writing a checkpoint in {manager.directory} failed: {error}; "
+                              "earlier checkpoints are untouched") from error
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in keys)
+
+
+def check_compatible(manager, step: int, target: dict) -> None:
+    """Raises CheckpointError naming the first parameter whose shape or presence differs."""
+    saved = manager.item_metadata(step)["state"]
+    saved_leaves = {_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+    if not saved_leaves:  # files gone: damage, not another model (restore falls back)
+        raise FileNotFoundError(f"{manager.directory}/{step}: no readable state metadata")
+    # parameters first: they name the layer that differs most plainly
+    ordered = [(f"{top}/{_path(path)}" if path else top, leaf)
+               for top in ("params", "batch_stats", "opt_state", "step", "rng", "ema")
+               if top in target
+               for path, leaf in jax.tree_util.tree_leaves_with_path(target[top])]
+    for name, leaf in ordered:
+        if name not in saved_leaves:
+            raise CheckpointError(f"checkpoint {manager.directory}/{step} was written by a "
+                                  f"different model: it has no {name!r}")
+        saved_shape = tuple(saved_leaves.pop(name).shape)
+        if saved_shape != tuple(np.shape(leaf)):
+            raise CheckpointError(f"checkpoint {manager.directory}/{step} does not fit this model: "
+                                  f"{name!r} has shape {saved_shape} there and "
+                                  f"{tuple(np.shape(leaf))} here")
+    if saved_leaves:
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} was written by a different "
+                              f"model: this model has no {next(iter(saved_leaves))!r}")
+
+
+def restore(manager, state, rng, step: int | None = None):
+    """Restores the given step, or the newest readable one, into `state`'s structure.
+
+    A damaged newest checkpoint (truncated or missing files) is skipped with a
+    warning in favour of the one before it. Returns (state, rng, meta), or None
+    when there is no checkpoint at all. A checkpoint of a different model stops
+    with CheckpointError before anything is restored.
+    """
+    steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+    target = state_tree(state, rng)
+    for candidate in steps:
+        try:
+            check_compatible(manager, candidate, target)
+            restored = manager.restore(candidate, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        except CheckpointError:
+            raise
+        except Exception as error:  # Orbax/TensorStore raise many types for damaged files
+            if step is not None:
+                raise CheckpointError(f"checkpoint {manager.directory}/{candidate} cannot be "
+                                      f"read: {error}") from error
+            logging.warning("checkpoint %s/%s cannot be read (%s: %s); falling back to an "
+                            "older one", manager.directory, candidate, type(error).__name__,
+                            error)
+            continue
+        tree = restored["state"]
+        state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
+                              opt_state=tree["opt_state"], step=tree["step"],
+                              ema=tree.get("ema"))
+        return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
+    if steps:
+        raise CheckpointError(f"no readable checkpoint in {manager.directory} "
+                              f"(tried steps {steps})")
+    return None
+
+
+def restore_input(manager, step: int, iterator) -> None:
+    """Sets a Grain iterator to the state saved with checkpoint `step`."""
+    import grain
+    try:
+        manager.restore(step, args=ocp.args.Composite(
+            input=grain.checkpoint.CheckpointRestore(iterator)))
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {manager.directory}/{step}: its data iterator state "
+                              f"cannot be restored ({type(error).__name__}: {error}); delete "
+                              "the checkpoint to resume from the one before") from error
+
+
+def best_step(manager) -> int:
+    """The step of the best checkpoint kept (a manager made with `best`)."""
+    step = manager.best_step()
+    if step is None:
+        raise CheckpointError(f"no checkpoint with test metrics in {manager.directory}: the "
+                              "best is chosen among the checkpoints saved at evaluations")
+    return step
+
+
+def read_meta(manager, step: int | None = None) -> dict:
+    """The JSON half of the given (or the newest) checkpoint."""
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no checkpoint in {manager.directory}")
+    try:
+        return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read: "
+                              f"{error}") from error
+
+
+def params_sha256(state) -> str:
+    """SHA-256 over the bytes of every parameter and BatchNorm statistic, in a fixed order."""
+    digest = hashlib.sha256()
+    for tree in (state.params, state.batch_stats):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            digest.update(_path(path).encode())
+            digest.update(np.ascontiguousarray(host_value(leaf)).tobytes())
+    return digest.hexdigest()
+
+
+def host_value(leaf) -> np.ndarray:
+    """An array's whole value on this host; one split over several processes'
+    devices (parallel.fsdp across machines) is gathered from all of them, so every
+    process must call this for it together."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
