@@ -152,7 +152,7 @@ def test_config_errors_name_the_callback(cifar_batches_dir):
     with config.callbacks.ignore_type():
         config.callbacks.early = "EarlyStopping"
     with pytest.raises(ConfigError, match=r"^config\.callbacks\.early='EarlyStopping': must be "
-                       r"jaxtrain\.defaults\.callback\("):
+                       r"jaxtrain\.config\.defaults\.callback\("):
         checks.check_config(config)
 
 
