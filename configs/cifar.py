@@ -7,11 +7,11 @@ cifar_cnn on this project's CPU. Measured, with the commands:
 BENCHMARKS.md#tuning-the-cifar-10-recipe-scaled-down (the choice) and
 BENCHMARKS.md#the-readmes-recipe-and-the-seed-recipe (this recipe on one H200).
 """
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.model.name = "cifar_cnn"
     config.optimizer.name = "sgd"
     config.optimizer.nesterov = True

@@ -7,11 +7,11 @@ The common CIFAR ResNet-18 recipe: Nesterov SGD, lr 0.1 per 128 images (0.4 at
 batch 512) with a warm-up and cosine decay, weight decay 5e-4, label smoothing
 0.1, flips and 4-pixel shifts, 60 epochs, bfloat16.
 """
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.data.name = "cifar100"
     config.data.label = "fine"
     config.model.name = "resnet18"

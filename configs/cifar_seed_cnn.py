@@ -1,10 +1,10 @@
 """The seed article's PyTorch recipe, as written: LeNet-style CNN, batch 4,
 SGD lr 0.001 momentum 0.9, 2 epochs, Normalize(0.5, 0.5), no augmentation."""
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.model.name = "seed_cnn"
     config.data.mean = (0.5, 0.5, 0.5)
     config.data.std = (0.5, 0.5, 0.5)

@@ -29,13 +29,13 @@ BENCHMARKS.md#the-speedrun-configscifar_speedrunpy-8-epochs-200-steps-of-batch-2
 The levers issue #40 built for the 1.0 s target are each a key of this recipe, off here
 until a GPU has timed them: BENCHMARKS.md#the-speedruns-levers-built-and-checked-on-the-cpu-issue-40.
 """
-from configs import cifar, default
+from jaxtrain.config import defaults
 
 BATCH_SIZE = 2000
 
 
 def get_config():
-    config = cifar.get_config()
+    config = defaults.recipe("cifar", __file__)
     config.model.stem_init = "whiten"
     config.model.stem_width = 24    # 12 patch directions (2x2x3), each with both signs
     config.model.conv_init = "dirac"
@@ -53,16 +53,16 @@ def get_config():
     opt.schedule = "linear"
     opt.warmup_fraction = 0.0
     opt.end_lr_fraction = 0.0
-    opt.groups.filters = default.param_group(
+    opt.groups.filters = defaults.param_group(
         r"ConvBlock_\d+/Conv_\d+/kernel", name="muon", lr_scale=0.24, momentum=0.6,
         nesterov=True, ns_steps=3, weight_decay=0.0, renormalize=True)
-    opt.groups.norm_biases = default.param_group(
+    opt.groups.norm_biases = defaults.param_group(
         r"ConvBlock_\d+/BatchNorm_\d+/bias", lr_scale=0.053 * BATCH_SIZE,
         weight_decay=2e-6 / 0.053)
-    opt.groups.stem_bias = default.param_group(
+    opt.groups.stem_bias = defaults.param_group(
         r"Conv_0/bias", lr_scale=0.053 * BATCH_SIZE, weight_decay=2e-6 / 0.053,
         train_steps=75)  # 3 epochs
-    opt.groups.head = default.param_group(
+    opt.groups.head = defaults.param_group(
         r"Dense_0/kernel", lr_scale=0.67 * BATCH_SIZE, weight_decay=2e-6 / 0.67)
 
     config.augment.flip = True

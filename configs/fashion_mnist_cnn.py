@@ -6,11 +6,11 @@ epoch times that chose them, and the recipe's result:
 BENCHMARKS.md#the-recipes-trained-and-side-by-side-with-pytorch-2026-11-30; with oneDNN's
 convolutions (model.conv_impl='auto'): BENCHMARKS.md#convolutional-nets-on-the-cpu-issue-32.
 """
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.data.name = "fashion_mnist"
     config.model.name = "cifar_cnn"
     config.model.widths = (16, 32, 64)

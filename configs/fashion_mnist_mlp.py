@@ -3,11 +3,11 @@
 batch 128, 10 epochs, float32; plus a linear learning-rate decay to 0, which ends
 more accurate than the constant rate (both measured in
 BENCHMARKS.md#the-recipes-trained-and-side-by-side-with-pytorch-2026-11-30)."""
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.data.name = "fashion_mnist"  # also found in /usr/share/datasets/fashion-mnist
     config.model.name = "mlp"
     config.model.hidden_sizes = (256, 128, 100)

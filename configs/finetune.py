@@ -16,11 +16,11 @@ the new head, 10% linear warm-up then cosine decay, label smoothing 0.1, flips a
 pixels to compute on, usually at some cost in accuracy. A linear probe (only the head trains):
 --config.optimizer.groups.backbone.freeze=True --config.model.freeze_batch_stats=True.
 """
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.data.name = "folder"
     config.data.image_size = 224
     config.data.resize = "crop"
@@ -35,8 +35,8 @@ def get_config():
     config.optimizer.schedule = "warmup_cosine"
     config.optimizer.warmup_fraction = 0.1
     # the pretrained layers at the base rate, the new head (Dense_0) at 10x
-    config.optimizer.groups.backbone = default.param_group(r"(?!Dense_0/).*")
-    config.optimizer.groups.head = default.param_group(r"Dense_0/.*", lr_scale=10.0)
+    config.optimizer.groups.backbone = defaults.param_group(r"(?!Dense_0/).*")
+    config.optimizer.groups.head = defaults.param_group(r"Dense_0/.*", lr_scale=10.0)
     config.augment.flip = True
     config.augment.translate = 16
     config.train.batch_size = 64

@@ -14,11 +14,11 @@ smoothing 0.1, MixUp 0.8 and CutMix 1.0 (one or the other per batch), stochastic
 0.1, flips, 10 epochs at 224 px in bfloat16. Other sizes: model.name='vit_tiny' or
 'vit_base' with the matching --config.model.init_from.
 """
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.data.name = "folder"
     config.data.image_size = 224
     config.data.resize = "crop"
@@ -30,8 +30,8 @@ def get_config():
     config.optimizer.weight_decay = 0.05
     config.optimizer.schedule = "warmup_cosine"
     config.optimizer.warmup_fraction = 0.1
-    config.optimizer.groups.backbone = default.param_group(r"(?!head/).*")
-    config.optimizer.groups.head = default.param_group(r"head/.*", lr_scale=10.0)
+    config.optimizer.groups.backbone = defaults.param_group(r"(?!head/).*")
+    config.optimizer.groups.head = defaults.param_group(r"head/.*", lr_scale=10.0)
     config.augment.flip = True
     config.augment.mixup = 0.8
     config.augment.cutmix = 1.0

@@ -13,11 +13,12 @@ weight decay 5e-4, label smoothing 0.1, flips and 4-pixel shifts, bfloat16) at b
 256 and lr 0.2 for 30 epochs; change data.image_size, train.num_epochs and
 train.batch_size to suit yours.
 """
-from configs import cifar100_resnet18
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = cifar100_resnet18.get_config()  # the same ResNet-18 recipe, scaled for any folder
+    # the same ResNet-18 recipe, scaled for any folder
+    config = defaults.recipe("cifar100_resnet18", __file__)
     config.data.name = "folder"
     config.data.label = "fine"
     config.data.image_size = 64

@@ -17,11 +17,11 @@ linear warm-up then cosine decay over 90 epochs, label smoothing 0.1, weight
 decay 5e-5 on the conv and dense kernels only (not on BatchNorm or biases),
 bfloat16 compute with float32 parameters.
 """
-from configs import default
+from jaxtrain.config import defaults
 
 
 def get_config():
-    config = default.get_config()
+    config = defaults.get_config()
     config.data.name = "folder"
     config.data.image_size = 224
     config.data.resize = "crop"
@@ -36,8 +36,8 @@ def get_config():
     config.train.batch_size = 1024
     config.optimizer.learning_rate = 0.1 * config.train.batch_size / 256
     config.optimizer.weight_decay = 5e-5
-    config.optimizer.groups.no_decay = default.param_group(r".*(BatchNorm_\d+/(scale|bias)|bias)",
-                                                           weight_decay=0.0)
+    config.optimizer.groups.no_decay = defaults.param_group(
+        r".*(BatchNorm_\d+/(scale|bias)|bias)", weight_decay=0.0)
     config.optimizer.schedule = "warmup_cosine"
     config.optimizer.warmup_fraction = 5 / 90
     config.augment.crop = "random_resized"

@@ -1,6 +1,7 @@
 """Command-line glue shared by main.py, `python -m jaxtrain.compare` and `jaxtrain.bench`."""
 import importlib.util
 import os
+import re
 import sys
 
 from absl import flags
@@ -29,7 +30,7 @@ def parse_flags(argv):
         if model_kwargs:
             set_model_kwargs(flags.FLAGS.config, model_kwargs)
     except flags.Error as error:
-        usage_error(str(error).splitlines()[0])
+        usage_error(unknown_flag(str(error)) or str(error).splitlines()[0])
     except (AttributeError, KeyError) as error:  # ml_collections: no such key
         usage_error(unknown_override(argv, error))
     except Exception as error:  # the config file itself failed (raised in get_config)
@@ -143,6 +144,22 @@ def check_config_flag(argv) -> None:
         hint = (f" (did you mean {os.path.join(folder, nearest)}?)" if nearest
                 else f" (in {folder}: {', '.join(recipes)})" if recipes else "")
         usage_error(f"--config={path}: no such file{hint}")
+
+
+def unknown_flag(message: str) -> str | None:
+    """absl's "Unknown command line flag 'confg.train.batch_size'" with the flag it was
+    meant to be (absl suggests none for a dotted name); None for other errors."""
+    match = re.match(r"Unknown command line flag '([^']+)'", message)
+    if match is None:
+        return None
+    from jaxtrain.config.checks import nearest_name
+    name = match.group(1)
+    head, dot, rest = name.partition(".")
+    known = [flag for flag in flags.FLAGS if len(flag) > 1]
+    nearest = nearest_name(head, known)
+    if nearest is None or nearest == head:
+        return None
+    return f"unknown flag --{name} (did you mean --{nearest}{dot}{rest}?)"
 
 
 def unknown_override(argv, error) -> str:

@@ -256,6 +256,13 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
      "config.optimizer.momentum=1.5: must be in [0, 1)"),
     (("--config=configs/cifar.py", "--config.augment.rotate=-5"),
      "config.augment.rotate=-5.0: must be in [0, 180] (degrees)"),
+    (("--config=configs/cifar.py", "--config.train.accumulate_steps=3"),
+     "config.train.accumulate_steps=3: must divide train.batch_size=1024 (each micro-batch is "
+     "batch_size / accumulate_steps images): one of 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024"),
+    (("--config=configs/cifar.py", "--confg.train.batch_size=64"),
+     "unknown flag --confg.train.batch_size (did you mean --config.train.batch_size?)"),
+    (("--config=configs/cifar.py", "--workdri=runs/x"),
+     "unknown flag --workdri (did you mean --workdir?)"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, message):
     result = run_main(*args, f"--workdir={tmp_path / 'run'}")
@@ -423,6 +430,9 @@ def test_a_signal_while_compiling_stops_cleanly(cifar_batches_dir, tmp_path):
 
 # ---------------------------------------------------------------- installable
 
+RECIPES = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")
+
+
 def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir, tmp_path):
     """`pip install .` (here into a folder, from a copy of the package's files): import
     jaxtrain from elsewhere, and train from a config file kept outside the repository."""
@@ -458,6 +468,16 @@ def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir
     assert "workdir: runs/my_recipe" in trained.stdout
     summary = json.loads((recipe.parent / "runs" / "my_recipe" / "summary.json").read_text())
     assert summary["steps"] == 4
+    # the repository's recipes load from anywhere too (one builds on another by its path,
+    # not through a `configs` package), as main.py's --config loads them
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom ml_collections import config_flags\n"
+         "for path in sys.argv[1:]:\n"
+         "    print(config_flags.config_flags._LoadConfigModule('c', path).get_config()"
+         ".model.name)", *map(str, RECIPES)],
+        cwd=recipe.parent, capture_output=True, text=True, env=env, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert len(loaded.stdout.split()) == len(RECIPES) and "resnet18" in loaded.stdout.split()
 
 
 def test_a_signal_while_a_checkpoint_is_written_stops_after_it(cifar_batches_dir, tmp_path):

@@ -221,6 +221,26 @@ def test_server_down_names_the_url(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize('name, make', [
+    ('torchvision:resnet18', resnet),  # a pinned hash: the file itself is fetched
+    ('timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k', vit),  # its published hash first
+])
+def test_offline_errors_say_what_to_do(tmp_path, name, make):
+    """No network: the line names the mirror variable and passing the file instead; the
+    timm one says the server cannot be reached (not that a hash is missing)."""
+    spec = make(f'{closed_port_url()}/{"weights.bin"}')
+    with pytest.raises(DataError) as e:
+        pretrained.resolve(name, str(tmp_path / 'cache'), progress=False, weights={name: spec})
+    message = str(e.value)
+    assert '\n' not in message
+    assert f'set ${dl.MIRROR_ENV_VAR} to a mirror serving weights/{spec.source}/{spec.file}' \
+        in message
+    assert f'pass the file itself: model.init_from=/path/to/{spec.file}' in message
+    if spec.hash is None:
+        assert 'the server cannot be reached (no network?' in message
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------
 # Mirrors serve <mirror>/weights/<source>/<file> (and <file>.sha256 when unpinned)
 # ---------------------------------------------------------------------------

@@ -496,3 +496,39 @@ def test_a_run_saved_before_freeze_existed_resumes_and_freezing_it_is_a_change()
     config.optimizer.groups.head.freeze = True
     assert checks.recipe_changes(saved, config) == [
         ("optimizer.groups.head.freeze", "(not set)", True)]
+
+
+def finetune(folder, workdir, *overrides):
+    """The README's fine-tuning command on `folder`, as a user types it."""
+    return subprocess.run([sys.executable, "main.py", "--config=configs/finetune.py",
+                           f"--config.data.dir={folder}", f"--workdir={workdir}", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_the_finetune_recipe_offline_says_how_to_get_the_weights(cifar_jpeg_folder, tmp_path):
+    """No network (the tests' mirror is a closed port): one line that names the mirror
+    variable and passing the downloaded file, and nothing trained."""
+    done = finetune(cifar_jpeg_folder, tmp_path / "run", "--config.model.name=resnet18",
+                    "--config.model.init_from=torchvision:resnet18")
+    assert done.returncode == 1, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "set $JAXTRAIN_DOWNLOAD_MIRROR to a mirror serving weights/torchvision/" in errors[0]
+    assert "model.init_from=/path/to/resnet18-f37072fd.pth" in errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_finetune_recipe_on_a_cpu_says_bfloat16_is_slow_there(cifar_jpeg_folder, tmp_path):
+    """configs/finetune.py trains in bfloat16, many times slower than float32 on a CPU:
+    one line says so and names the flag; with the flag, no such line."""
+    small = ("--config.model.name=resnet18", "--config.model.init_from=",
+             "--config.data.image_size=32", "--config.train.num_steps=1",
+             "--config.train.batch_size=16", "--config.eval.tta=none")
+    done = finetune(cifar_jpeg_folder, tmp_path / "bf16", *small)
+    assert done.returncode == 0, done.stderr[-2000:]
+    notes = [line for line in done.stdout.splitlines() if "train.precision='bfloat16'" in line]
+    assert len(notes) == 1 and "--config.train.precision=float32" in notes[0], done.stdout
+    done = finetune(cifar_jpeg_folder, tmp_path / "f32", *small,
+                    "--config.train.precision=float32")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "train.precision='bfloat16'" not in done.stdout

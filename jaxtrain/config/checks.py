@@ -264,6 +264,13 @@ GROUP_RANGES = {"lr_scale": (_at_least(0), ">= 0"),
                 "freeze": (lambda v: isinstance(v, bool), "True (never updated) or False")}
 
 
+def divisors(n: int, shown: int = 12) -> str:
+    """'1, 2, 4, 8, 16, 32': the divisors of n, the largest last ('...' past `shown`)."""
+    found = [k for k in range(1, n + 1) if n % k == 0]
+    return ", ".join(map(str, found if len(found) <= shown else
+                         [*found[:shown - 1], "...", found[-1]]))
+
+
 def _value(config, key):
     node = config
     for part in key.split("."):
@@ -327,10 +334,10 @@ def check_config(config) -> None:
     need(model.bn_impl == "flax" or model.name in models.BN_MODELS, "model.bn_impl",
          model.bn_impl, f"applies to {', '.join(models.BN_MODELS)} (a model of your own "
          "can use jaxtrain.models.ops.batchnorm.BatchNorm)")
-    accumulate = config.train.accumulate_steps
-    need(config.train.batch_size % accumulate == 0, "train.accumulate_steps", accumulate,
-         f"must divide train.batch_size={config.train.batch_size} (each micro-batch is "
-         "batch_size / accumulate_steps images)")
+    accumulate, batch = config.train.accumulate_steps, config.train.batch_size
+    need(batch % accumulate == 0, "train.accumulate_steps", accumulate,
+         f"must divide train.batch_size={batch} (each micro-batch is batch_size / "
+         f"accumulate_steps images): one of {divisors(batch)}")
     need(config.parallel.fsdp == 1 or replicas.runs(config) is None, "parallel.fsdp",
          config.parallel.fsdp, "cannot be combined with train.replicas or a sweep (each "
          "replica's parameters are already on their own devices)")

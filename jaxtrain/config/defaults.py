@@ -3,9 +3,12 @@
 Every key any recipe may set is here, with a comment, so a typo in a config
 file, on the command line or in Python fails (checks.check_config) instead of
 being ignored. A config file anywhere starts from them with
-`from jaxtrain.defaults import get_config, param_group` (configs/default.py
-re-exports them for the recipes in this repository).
+`from jaxtrain.config.defaults import get_config, param_group`, or from another
+recipe with `recipe(NAME, __file__)`.
 """
+import importlib.util
+import os
+
 import ml_collections
 
 
@@ -201,3 +204,14 @@ def callback(name: str, **kwargs) -> ml_collections.ConfigDict:
     """One entry of config.callbacks: the class `name` names ('package.module:Class', or a
     built-in of jaxtrain.callbacks by its name), built with kwargs."""
     return ml_collections.ConfigDict({"name": name, "kwargs": kwargs})
+
+
+def recipe(name: str, beside: str) -> ml_collections.ConfigDict:
+    """get_config() of the recipe NAME.py in the folder of the file `beside` (a config
+    file's __file__): how one recipe builds on another without importing a `configs`
+    package, so that a recipe loads from any directory."""
+    path = os.path.join(os.path.dirname(os.path.abspath(beside)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"jaxtrain_recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()

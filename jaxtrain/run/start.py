@@ -33,6 +33,9 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     # the checkpoint fills them.
     resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
     run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
+    note = cpu_precision_note(config.train.precision, config.model.name)
+    if note and main_process:
+        print(note, flush=True)
     streaming = run.placement == "stream"
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming,
@@ -185,3 +188,14 @@ def cache_note(cache_dir: str | None, before: dict) -> str:
     hits = now["hits"] - before["hits"]
     compiled = hits + now["misses"] - before["misses"]
     return f" ({hits} of {compiled} from the persistent cache in {cache_dir})"
+
+
+def cpu_precision_note(precision: str, model_name: str) -> str | None:
+    """One line for a bfloat16 run of a convolutional model on a CPU, which computes
+    bfloat16 convolutions many times slower than float32 (BENCHMARKS.md); None elsewhere."""
+    if precision != "bfloat16" or jax.default_backend() != "cpu" \
+            or not models.is_convolutional(model_name):
+        return None
+    return ("note: train.precision='bfloat16' on a CPU: its convolutions run about 20x slower "
+            "than in float32 here (the recipe is for GPUs); --config.train.precision=float32 "
+            "trains this model much faster on this machine")

@@ -194,11 +194,14 @@ def check_batch_split(batch_size: int, mesh, accumulate_steps: int = 1) -> None:
                           f"{devices} devices: use a multiple of {devices} (e.g. {options})")
     if (batch_size // devices) % accumulate_steps:
         per_device = batch_size // devices
+        step = devices * accumulate_steps
+        sizes = [size for size in (batch_size // step * step, -(-batch_size // step) * step)
+                 if size > 0]
         raise ConfigError(
             f"config.train.accumulate_steps={accumulate_steps} does not divide the batch per "
-            f"device ({batch_size} / {devices} devices = {per_device} images): use a divisor "
-            f"of {per_device}, or a batch_size that is a multiple of "
-            f"{devices * accumulate_steps}")
+            f"device ({batch_size} / {devices} devices = {per_device} images): use one of "
+            f"{checks.divisors(per_device)}, or a batch_size that is a multiple of {step} "
+            f"(e.g. {' or '.join(map(str, sizes))})")
 
 
 def whitening_fn(config, mean, std):

@@ -149,14 +149,23 @@ def resolve(name: str, cache_dir: str = download.DEFAULT_CACHE_DIR, mirror: str 
     try:
         _download(url, path, spec.hash, from_mirror=bool(mirror), progress=progress,
                   timeout=timeout)
-    except BaseException:
+    except BaseException as error:
         for new_dir in created:  # leave no new empty directories behind either
             try:
                 os.rmdir(new_dir)
             except OSError:
                 break
+        if isinstance(error, DataError):
+            raise DataError(f'{error}; {offline_hint(spec)}') from error
         raise
     return path, spec
+
+
+def offline_hint(spec: Weights) -> str:
+    """What to do without the network: a mirror, or the file fetched elsewhere."""
+    return (f'without the network, set ${download.MIRROR_ENV_VAR} to a mirror serving '
+            f'weights/{spec.source}/{spec.file}, or fetch {spec.url} elsewhere and pass the '
+            f'file itself: model.init_from=/path/to/{spec.file}')
 
 
 def _download(url: str, path: str, pinned: str | None, *, from_mirror: bool, progress: bool,
@@ -249,8 +258,8 @@ def _head_headers(url: str, timeout: float):
             from e
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         reason = getattr(e, 'reason', e)
-        raise DataError(f'{url}: cannot get its published SHA-256 '
-                        f'({download._one_line(reason)})') from e
+        raise DataError(f'{url}: cannot get its published SHA-256: the server cannot be reached '
+                        f'(no network? {download._one_line(reason)})') from e
 
 
 def _get_small(url: str, timeout: float, limit: int = 4096) -> str:
