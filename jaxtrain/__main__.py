@@ -54,7 +54,6 @@ flags.DEFINE_integer("profile", 0, "Trace this many training steps (after one wa
                      "with jax.profiler into WORKDIR/profile (TensorBoard's profile plugin, "
                      "Perfetto) and print the ten XLA ops that took the most time; 0 = off.",
                      lower_bound=0)
-flags.mark_flags_as_required(["config"])
 
 
 def default_workdir() -> str:
@@ -65,7 +64,8 @@ def default_workdir() -> str:
 
 def eval_config(workdir: str):
     """--mode=eval: the run's own config (WORKDIR/config.json), with this command's
-    --config.KEY=VALUE overrides on top; --config's file alone if the workdir has none."""
+    --config.KEY=VALUE overrides on top; --config's file alone if the workdir has none
+    (then --config is needed)."""
     keys = [arg[len("--config."):].split("=")[0] for arg in sys.argv
             if arg.startswith("--config.")]
     overrides = {}
@@ -76,6 +76,9 @@ def eval_config(workdir: str):
         overrides[key] = node
     config = evaluate_checkpoint.run_config(workdir, overrides)
     if config is None:
+        if FLAGS.config is None:
+            usage_error(f"--mode=eval: {workdir} holds no config.json (no run trained there); "
+                        "give --workdir the run's folder, or --config=FILE")
         return FLAGS.config
     print(f"evaluating with the run's config ({os.path.join(workdir, 'config.json')})"
           + (f" and {', '.join('--config.' + k for k in keys)}" if keys else ""), flush=True)
@@ -88,6 +91,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     signals.raise_on_signals()
     workdir = FLAGS.workdir
+    if FLAGS.config is None and (FLAGS.mode == "train" or workdir is None):
+        usage_error("--config=FILE names the recipe to train (e.g. --config=configs/cifar.py)"
+                    if FLAGS.mode == "train" else "--mode=eval without --config evaluates the "
+                    "run in --workdir=DIR with the config it recorded: give --workdir")
     if workdir is None:
         workdir = default_workdir()
         print(f"workdir: {workdir} (--workdir not given: runs/<config file name>)", flush=True)

@@ -133,7 +133,7 @@ def check_config_flag(argv) -> None:
         if overrides:
             usage_error(f"{overrides[0]} overrides a config, but no --config=FILE names one "
                         "(e.g. --config=configs/cifar.py)")
-        return  # absl says --config is required
+        return  # main() says whether this command needs one
     file = path.partition(":")[0]
     if not os.path.isfile(file):
         folder = os.path.dirname(file) or "."

@@ -309,6 +309,12 @@ def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
     evaluated = evaluate_checkpoint.evaluate_checkpoint(config, str(tmp_path), "best")
     assert evaluated["step"] == best
     assert evaluated["test_accuracy"] == pytest.approx(points[best], abs=1e-6)
+    # docs/checkpoints.md's command as typed: no --config, the run's config.json is read
+    done = subprocess.run([sys.executable, "main.py", "--mode=eval", f"--workdir={tmp_path}",
+                           "--checkpoint=best"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"checkpoint step {best}: test_accuracy={points[best]:.2%}" in done.stdout
     # Resuming with more steps starts from the newest, not the best.
     longer = with_overrides(config, {"train__num_steps": 90})
     assert loop.train_and_evaluate(longer, str(tmp_path))["resumed_from_step"] == 80

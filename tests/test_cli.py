@@ -263,6 +263,7 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
      "unknown flag --confg.train.batch_size (did you mean --config.train.batch_size?)"),
     (("--config=configs/cifar.py", "--workdri=runs/x"),
      "unknown flag --workdri (did you mean --workdir?)"),
+    ((), "--config=FILE names the recipe to train (e.g. --config=configs/cifar.py)"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, message):
     result = run_main(*args, f"--workdir={tmp_path / 'run'}")

@@ -2,8 +2,10 @@
 
 `python -m jaxtrain.bench --config=... --memory` compiles the run's train step
 (its model, batch, precision, train.accumulate_steps, model.remat, parallel.fsdp)
-for shapes only: no parameter is initialised and no step runs, so it answers for
-a model or batch that would not fit, before anyone rents the device it needs.
+for shapes only: no parameter is initialised, no step runs and, where the config
+says what the images look like (a dataset known by name, a folder with
+data.image_size), no image is read, so it answers for a model, batch or dataset
+not at hand, before anyone rents the device it needs.
 The step compiled is step.train_step on one global batch, laid out as training
 lays it out; the device-resident training split, which training keeps beside it,
 is counted apart (`training_data_bytes`). XLA reports per device:
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.runtime import mesh as mesh_lib
-from jaxtrain.training import checkpoint, prepare
+from jaxtrain.training import batches, checkpoint, prepare
 from jaxtrain.training import step as step_lib
 
 FIELDS = {"arguments_bytes": "argument_size_in_bytes", "outputs_bytes": "output_size_in_bytes",
@@ -75,7 +77,12 @@ def compile_step(config, run=None):
         smallest = config.copy_and_resolve_references()
         with smallest.unlocked():
             smallest.train.batch_size = mesh.size * config.train.accumulate_steps
-        run = prepare.setup(smallest, mesh, abstract_state=True)
+        # Shapes only: no image is read where the config says what they look like
+        stand_in = batches.shapes_only(config.data)
+        if stand_in is not None and not (tuple(config.data.mean) and tuple(config.data.std)):
+            with smallest.unlocked():  # nothing to compute them from; they change no shape
+                smallest.data.mean, smallest.data.std = (0.5,), (0.25,)
+        run = prepare.setup(smallest, mesh, abstract_state=True, data_read=stand_in)
     replicated = mesh_lib.replicated(run.mesh)
     state_sharding = prepare.state_sharding(run)
     state = checkpoint.restore_target(run.state, state_sharding)
@@ -107,7 +114,9 @@ def step_memory(config) -> dict:
         "params_bytes_per_device": bytes_on_one_device(
             run.state.params, getattr(state_sharding, "params", state_sharding)),
         "state_bytes_per_device": bytes_on_one_device(run.state, state_sharding),
-        "training_data_bytes": int(x.nbytes + y.nbytes) if run.placement == "device" else 0,
+        "training_data_bytes": (int(x.nbytes + y.nbytes) if run.placement == "device"
+                                and config.data.name != "folder" else 0),
+        "data": run.dataset.origin,
     })
     return result
 
@@ -131,6 +140,8 @@ def describe(info: dict) -> str:
                   f"{gib(info['training_data_bytes'])} when it is on the devices"]
     else:
         lines.append("  this backend reports no memory analysis")
+    if info.get("data", "").startswith("shapes only"):
+        lines.append(f"  data: {info['data']}")
     return "\n".join(lines)
 
 

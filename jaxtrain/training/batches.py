@@ -93,6 +93,41 @@ def load(data_config, memory: tuple[int, str] | None = None):
     return dataset, placement, why
 
 
+# Images a side, channels, classes and training images of the datasets known by name
+KNOWN_SHAPES = {"cifar10": (32, 3, 10, 50_000), "cifar100": (32, 3, 100, 50_000),
+                "fashion_mnist": (28, 1, 10, 60_000), "mnist": (28, 1, 10, 60_000)}
+STAND_IN_CLASSES = 1000  # a folder's classes when its folder is not there (ImageNet's)
+
+
+def shapes_only(data_config):
+    """(dataset, placement, why) with the shapes data_config would give and no image read
+    (zeros, broadcast): what a step compiled for shapes needs (bench --memory). None when
+    the shapes cannot be known without the data (arrays, tfds, a folder kept at its
+    images' own size)."""
+    dc = data_config
+    if dc.name in KNOWN_SHAPES and dc.get("source", "auto") != "tfds":
+        side, channels, classes, count = KNOWN_SHAPES[dc.name]
+        if dc.name == "cifar100" and dc.get("label", "fine") == "coarse":
+            classes = 20
+    elif dc.name == "folder" and dc.image_size:
+        side, channels, count = dc.image_size, dc.channels, 50_000
+        train = os.path.join(dc.dir, "train") if dc.dir else ""
+        classes = (len([d for d in os.scandir(train) if d.is_dir()])
+                   if train and os.path.isdir(train) else STAND_IN_CLASSES)
+    else:
+        return None
+    shape = (side, side, channels)
+
+    def zeros(n):
+        return np.broadcast_to(np.zeros((1, *shape), np.uint8), (n, *shape))
+    dataset = data.Dataset(zeros(count), np.zeros(count, np.int32), zeros(1),
+                           np.zeros(1, np.int32), tuple(map(str, range(classes))),
+                           f"shapes only: {side}x{side}x{channels} images, {classes} classes "
+                           "(no image read)")
+    placement = "stream" if dc.placement == "stream" else "device"
+    return dataset, placement, "shapes only"
+
+
 def epoch_keys(key, epoch):
     """(order_key, augment_key) of an epoch: from (key, epoch) alone, so any step of
     any epoch can be rerun or resumed exactly, on either path."""

@@ -58,7 +58,8 @@ def fitting_batch(num_images: int, multiple: int = 1) -> int | None:
     return batch
 
 
-def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None) -> Setup:
+def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None,
+          data_read=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation),
     from a config checked where its run or command started (checks.check_config).
 
@@ -69,6 +70,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     program, it saves compiling the init.
     `model`: a Flax Linen or NNX module instance to train instead of model.name's.
     `clock` (phases.Clock): times loading, statistics and building, a line each.
+    `data_read`: (dataset, placement, why) to use instead of reading config.data
+    (batches.shapes_only's stand-in, for a step compiled for shapes).
     """
     lap = clock.lap if clock is not None else lambda *args: None
     mesh = create_mesh(config) if mesh is None else mesh
@@ -76,7 +79,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     if init_from and not abstract_state:
         readers.source(init_from)  # a missing or unreadable source fails before the data loads
         readers.check_fits(init_from, config.model.name)
-    dataset, placement, placement_reason = batches.load(config.data)
+    dataset, placement, placement_reason = data_read or batches.load(config.data)
     runs = replicas.runs(config)
     if runs and placement == "stream":
         raise ConfigError(f"config.train.replicas={config.train.replicas} (or a sweep) needs "
