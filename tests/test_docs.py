@@ -2,8 +2,12 @@
 pages show names a config file that exists, config keys jaxtrain knows and flags its
 command defines (so a page cannot drift from the code)."""
 import csv
+import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +98,99 @@ def test_the_readme_callback_runs_as_printed(cifar_batches_dir, tmp_path, monkey
     assert float(written[-1][2]) == pytest.approx(rows[-1]["test_accuracy"])
     assert rows[-1]["test_accuracy"] >= 0.2 > max(r["test_accuracy"] for r in rows[:-1])
     assert summary["stopped_early"]["step"] == rows[-1]["step"] < 200
+
+
+# ---------------------------------------------------------------- the commands, run
+
+# Documented commands that finish in seconds on a CPU once a run exists: evaluation,
+# predict, export and the memory report. The training commands are the recipes' full
+# runs (tests/test_main.py runs each recipe for a few steps); `jaxtrain.data download`
+# needs the network, which the tests never reach (its code runs against a local server
+# in tests/test_data_download.py).
+def runnable(name: str, words: list) -> bool:
+    return ((name in ("main.py", "jaxtrain") and "--mode=eval" in words)
+            or name in ("jaxtrain.predict", "jaxtrain.export")
+            or (name == "jaxtrain.bench" and "--memory" in words))
+
+
+DOCUMENTED_RUNS = [(page, name, words) for page, name, words in page_commands()
+                   if runnable(name, words)]
+
+# Runs each command in a child forked after the heavy imports, as its module's __main__.
+RUNNER = """
+import json, os, runpy, sys, traceback
+commands = json.loads(sys.argv[1])
+import absl.app, flax, jax, ml_collections, optax, orbax.checkpoint
+import jaxtrain.inference.exporters, jaxtrain.perf.benchmark, jaxtrain.run.loop  # not the
+# commands themselves: each defines its flags when it runs, once per child
+results = []
+for module, argv in commands:
+    out, err = f"{len(results)}.out", f"{len(results)}.err"
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT), 2)
+        sys.argv, code = [module, *argv], 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 99
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    results.append({"status": os.waitstatus_to_exitcode(status),
+                    "stdout": open(out).read()[-3000:], "stderr": open(err).read()[-3000:]})
+print(json.dumps(results))
+"""
+
+
+def test_every_documented_command_that_runs_on_a_cpu_runs_as_written(
+        cifar_batches_dir, cifar_jpeg_folder, tmp_path):
+    """Each command as the page prints it, from a folder laid out as the page assumes:
+    its workdirs (runs/cifar, runs/photos, W, WORKDIR) a short run with a best checkpoint,
+    ~/data the CIFAR-10 files, photos/ and more/cat.png real images."""
+    root, home = tmp_path / "cwd", tmp_path / "home"
+    (root / "runs").mkdir(parents=True)
+    home.mkdir()
+    (home / "data").symlink_to(cifar_batches_dir)
+    (root / "configs").symlink_to(REPO / "configs")
+    run = root / "runs" / "cifar"
+    loop.train_and_evaluate(mlp_config(cifar_batches_dir, train__num_steps=20,
+                                       eval__every_steps=10, checkpoint__every_steps=10,
+                                       checkpoint__best_metric="test_accuracy"), str(run))
+    (root / "runs" / "photos").symlink_to(run)
+    last = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    (root / "photos" / "unsorted").mkdir(parents=True)
+    jpegs = sorted((cifar_jpeg_folder / "test").rglob("*.jpg"))[:3]
+    for jpeg in jpegs:
+        (root / "photos" / "unsorted" / jpeg.name).write_bytes(jpeg.read_bytes())
+    (root / "more").mkdir()
+    from PIL import Image
+    Image.open(jpegs[0]).save(root / "more" / "cat.png")
+    placeholders = {"W": "runs/cifar", "WORKDIR": "runs/cifar", "PATH...": "photos",
+                    "--config=...": "--config=configs/cifar_seed_cnn.py"}
+    commands = []
+    for page, name, words in DOCUMENTED_RUNS:
+        argv = []
+        for word in words:
+            word = placeholders.get(word, word)
+            for placeholder in ("W", "WORKDIR"):
+                word = word.replace(f"={placeholder}", f"={placeholders[placeholder]}")
+            word = word.replace("~/", f"{home}/").replace("checkpoints/980",
+                                                           f"checkpoints/{last}")
+            argv.append(word)
+        module = "jaxtrain.__main__" if name in ("main.py", "jaxtrain") else name
+        commands.append((module, argv))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}", "HOME": str(home)}
+    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(commands)], cwd=root,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for (page, name, words), result in zip(DOCUMENTED_RUNS, results):
+        assert result["status"] == 0, (page, name, " ".join(words), result["stderr"])
+    assert len(results) == len(DOCUMENTED_RUNS) >= 10
