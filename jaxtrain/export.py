@@ -38,8 +38,9 @@ def define_flags():
     flags.DEFINE_string("out", None, "The file to write; FILE.json is written beside it.")
     flags.DEFINE_integer("batch", None, "A fixed batch size (default: dynamic).")
     flags.DEFINE_string("checkpoint", None, "A step number, or 'best', instead of the newest.")
-    flags.DEFINE_enum("tta", "none", ["none", "flip", "flip_translate"],
-                      "Test-time augmentation inside the exported function.")
+    flags.DEFINE_enum("tta", None, ["none", "flip", "flip_translate"],
+                      "Test-time augmentation inside the exported function (default: the "
+                      "run's eval.tta, as jaxtrain.predict applies it).")
     flags.DEFINE_enum("weights", "raw", ["raw", "ema"], "ema: a train.ema_decay run's average.")
     flags.DEFINE_enum("precision", "float32", ["float32", "bfloat16"],
                       "What the exported model computes in (onnx: float32 only).")

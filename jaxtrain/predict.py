@@ -18,31 +18,6 @@ FLAGS = flags.FLAGS
 FAILED = 1  # exit status: some files could not be classified (the rest were)
 
 
-def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None,
-                pool_impl=None):
-    """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)."""
-    from jaxtrain.inference import classifier as classifier_lib
-    step, which = None, "latest"
-    if checkpoint_flag == "best":
-        which = "best"
-    elif checkpoint_flag is not None:
-        if not checkpoint_flag.strip().isdigit():
-            raise ValueError(f"--checkpoint={checkpoint_flag}: expected a step number or 'best'")
-        step = int(checkpoint_flag)
-        check_step(workdir, step)
-    return classifier_lib.restore(workdir, step=step, which=which, weights=weights, tta=tta,
-                                  precision=precision, pool_impl=pool_impl)
-
-
-def check_step(workdir: str, step: int) -> None:
-    from jaxtrain.training import checkpoint
-    saved = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
-    if step not in saved:
-        raise checkpoint.CheckpointError(
-            f"--checkpoint={step}: no such step in {checkpoint.checkpoint_dir(workdir)} "
-            f"(saved steps: {', '.join(map(str, saved)) or 'none'})")
-
-
 def format_line(path: str, top: list[tuple[str, float]]) -> str:
     return f"{path}: " + ", ".join(f"{name} {probability:.4f}" for name, probability in top)
 
@@ -55,6 +30,7 @@ def format_json(path: str, label: int, top: list[tuple[str, float]], class_names
 
 
 def main(argv):
+    from jaxtrain.inference import classifier as classifier_lib
     from jaxtrain.training import checkpoint
     logging.set_verbosity(logging.WARNING)  # Orbax's restore logs a page at INFO
     if len(argv) < 3:
@@ -62,7 +38,8 @@ def main(argv):
                     "[--checkpoint=STEP|best] [--json]")
     workdir, paths = argv[1], argv[2:]
     try:
-        classifier = restore_for(workdir, FLAGS.checkpoint, FLAGS.weights, FLAGS.tta)
+        classifier = classifier_lib.restore_for(workdir, FLAGS.checkpoint, FLAGS.weights,
+                                                FLAGS.tta)
     except (checkpoint.CheckpointError, ValueError) as error:
         usage_error(str(error).splitlines()[0])
     result = classifier.predict_files(paths)

@@ -222,6 +222,36 @@ def test_the_command_writes_the_file_and_its_json(run_of, test_images, tmp_path)
                                atol=PROBABILITY_ATOL, rtol=0)
 
 
+def test_predict_and_export_apply_the_same_tta_and_the_json_says_how_files_are_read(
+        arrays_npz, test_images, tmp_path):
+    """The users' two commands on a run with eval.tta='flip': the export takes the same
+    TTA as predict by default, so both give the same probabilities for one image file;
+    FILE.json names the TTA and the resize filter exactly."""
+    from PIL import Image
+    workdir = str(tmp_path / "run")
+    loop.train_and_evaluate(short_run_config(arrays_npz, "mlp", eval__tta="flip"), workdir)
+    image = tmp_path / "image.png"
+    Image.fromarray(test_images[0]).save(image)
+    exported = cli(workdir, "--format=onnx", f"--out={tmp_path / 'model.onnx'}")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    predicted = subprocess.run([sys.executable, "-m", "jaxtrain.predict", workdir, str(image),
+                                "--json", "--top=10"], cwd=REPO, capture_output=True,
+                               text=True, timeout=300)
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    line = json.loads(predicted.stdout.strip().splitlines()[-1])
+    from_predict = {entry["label"]: entry["probability"] for entry in line["top"]}
+    from_export = run_onnx(tmp_path / "model.onnx", test_images[:1])[0]
+    for label, probability in from_predict.items():
+        assert abs(from_export[label] - probability) < 1e-5, (label, probability)
+    _, plain = jaxtrain.restore(workdir, tta="none").predict(test_images[:1])
+    assert np.abs(plain[0] - from_export).max() > 1e-4  # the flip is in there
+    description = json.loads((tmp_path / "model.onnx.json").read_text())
+    assert description["tta"] == "flip"
+    files = description["preprocessing"]["files"]
+    assert files["filter"] == "PIL.Image.Resampling.BILINEAR" and files["reducing_gap"] == 3.0
+    assert files["resize"] == "crop" and files["size"] == [32, 32] and files["mode"] == "RGB"
+
+
 @pytest.mark.parametrize("case", ["no checkpoint", "not a run", "unknown format",
                                   "unwritable out", "out is a folder", "unknown step"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, run_of, tmp_path):

@@ -194,3 +194,26 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
                       config.eval.batch_size, replica,
                       resize=config.get("data", {}).get("resize", "crop"), workdir=workdir,
                       weights=weights, precision=precision or config.train.precision)
+
+
+def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None,
+                pool_impl=None):
+    """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)."""
+    step, which = None, "latest"
+    if checkpoint_flag == "best":
+        which = "best"
+    elif checkpoint_flag is not None:
+        if not checkpoint_flag.strip().isdigit():
+            raise ValueError(f"--checkpoint={checkpoint_flag}: expected a step number or 'best'")
+        step = int(checkpoint_flag)
+        check_step(workdir, step)
+    return restore(workdir, step=step, which=which, weights=weights, tta=tta,
+                                  precision=precision, pool_impl=pool_impl)
+
+
+def check_step(workdir: str, step: int) -> None:
+    saved = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    if step not in saved:
+        raise checkpoint.CheckpointError(
+            f"--checkpoint={step}: no such step in {checkpoint.checkpoint_dir(workdir)} "
+            f"(saved steps: {', '.join(map(str, saved)) or 'none'})")

@@ -3,9 +3,11 @@
 
 The exported function is the whole classifier: uint8 NHWC images of the run's
 size in, float32 class probabilities out, with the normalisation inside,
-BatchNorm in inference mode and TTA off unless --tta names one. The batch
-dimension is dynamic unless --batch fixes it. FILE.json beside it says what goes
-in and comes out, the class names and the run it came from.
+BatchNorm in inference mode and the run's test-time augmentation (eval.tta, as
+jaxtrain.predict applies it; --tta=none for none). The batch dimension is dynamic
+unless --batch fixes it. FILE.json beside it says what goes in and comes out, how
+an image file becomes the input (decoder, resize filter, crop), the class names and
+the run it came from.
 
 - stablehlo: `jax.export` serialised, the weights inside as constants; any JAX
   program loads it with `jax.export.deserialize(bytes).call(images)`, no Flax or
@@ -22,8 +24,11 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import PIL
 
+from jaxtrain.data import folder
 from jaxtrain.errors import ConfigError
+from jaxtrain.inference import classifier as classifier_lib
 
 FORMATS = ("onnx", "stablehlo")
 PLATFORMS = ("cpu", "cuda")  # what a StableHLO export is lowered for by default
@@ -45,11 +50,12 @@ def with_lax_convolutions(state):
     return state
 
 
-def probabilities_function(classifier, tta: str = "none"):
+def probabilities_function(classifier, tta: str | None = None):
     """images uint8 (N, H, W, C) -> float32 probabilities (N, classes): the classifier's
     own prediction (the same jitted code as Classifier.predict, with lax's convolutions),
     its weights closed over so that an exporter writes them into the file."""
     state = with_lax_convolutions(classifier.state)
+    tta = classifier.tta if tta is None else tta
 
     def probabilities(images):
         return classifier.probabilities(state, images, tta=tta)
@@ -65,7 +71,7 @@ def input_spec(classifier, batch: int | None, symbolic):
                                  *classifier.image_shape), jnp.uint8)
 
 
-def to_stablehlo(classifier, batch: int | None = None, tta: str = "none",
+def to_stablehlo(classifier, batch: int | None = None, tta: str | None = None,
                  platforms=PLATFORMS) -> bytes:
     """The serialised jax.export.Exported of probabilities_function."""
     batch_dim, = jax.export.symbolic_shape("batch")
@@ -79,7 +85,7 @@ def to_stablehlo(classifier, batch: int | None = None, tta: str = "none",
     return bytes(exported.serialize())
 
 
-def to_onnx(classifier, batch: int | None = None, tta: str = "none") -> bytes:
+def to_onnx(classifier, batch: int | None = None, tta: str | None = None) -> bytes:
     """The ONNX model (opset ONNX_OPSET) of probabilities_function, through jax2onnx.
 
     Inputs 'images' (uint8 NHWC), output 'probabilities'. jax2onnx 0.12.5 leaves
@@ -183,9 +189,7 @@ def describe(classifier, format: str, out: str, batch, tta: str, platforms) -> d
         "class_names": list(classifier.class_names),
         "preprocessing": {"inside": "x / 255, minus mean, divided by std, per channel",
                           "mean": list(classifier.mean), "std": list(classifier.std),
-                          "files": f"resize {classifier.resize!r} to "
-                                   f"{classifier.image_shape[1]}x{classifier.image_shape[0]}, "
-                                   f"{classifier.image_shape[2]} channels (data/folder.py)"},
+                          "files": file_preprocessing(classifier)},
         "tta": tta,
         "precision": classifier.precision,
         "run": {"workdir": workdir and os.path.abspath(workdir), "step": classifier.step,
@@ -205,16 +209,38 @@ def describe(classifier, format: str, out: str, batch, tta: str, platforms) -> d
     return description
 
 
+def file_preprocessing(classifier) -> dict:
+    """How jaxtrain.predict makes an image file into one input row (data/folder.py's
+    decoding), exactly enough for another program to do the same."""
+    height, width, channels = classifier.image_shape
+    crop = classifier.resize == "crop"
+    return {
+        "decoder": f"Pillow {PIL.__version__}: JPEG, PNG, BMP or WebP; EXIF orientation not "
+                   "applied",
+        "mode": "RGB" if channels == 3 else "L",  # alpha dropped, 16-bit grey scaled to 8
+        "resize": classifier.resize,
+        "size": [width, height],
+        "filter": "PIL.Image.Resampling.BILINEAR",
+        "reducing_gap": folder._REDUCING_GAP,
+        "jpeg_draft": f"JPEGs: Image.draft(None, (ceil(w' * {folder._REDUCING_GAP:g}), "
+                      f"ceil(h' * {folder._REDUCING_GAP:g}))) before resizing",
+        "steps": ("w' x h' = the image scaled so its short side is the size (round(), at "
+                  "least the size); resize to w' x h' unless already so; crop the box "
+                  "((w' - W) // 2, (h' - H) // 2) of W x H" if crop else
+                  "w' x h' = W x H; resize to it unless already so"),
+    }
+
+
 def export(workdir: str, format: str, out: str, batch: int | None = None, *,
-           checkpoint: str | None = None, tta: str = "none", weights: str = "raw",
+           checkpoint: str | None = None, tta: str | None = None, weights: str = "raw",
            precision: str = "float32", platforms=PLATFORMS) -> dict:
-    """Writes the run's classifier to `out` (and `out`.json) and returns that JSON."""
-    from jaxtrain import predict
+    """Writes the run's classifier to `out` (and `out`.json) and returns that JSON. tta:
+    None = the run's eval.tta, as jaxtrain.predict and jaxtrain.restore use it."""
     check_format(format, precision)
     check_writable(out)
     # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
-    classifier = predict.restore_for(workdir, checkpoint, weights, tta, precision,
-                                     pool_impl="xla")
+    classifier = classifier_lib.restore_for(workdir, checkpoint, weights, tta, precision,
+                                            pool_impl="xla")
     return save(classifier, format, out, batch, tta, platforms)
 
 
@@ -226,9 +252,11 @@ def check_format(format: str, precision: str) -> None:
                           "no bfloat16 arithmetic); --precision=bfloat16 is for stablehlo")
 
 
-def save(classifier, format: str, out: str, batch: int | None = None, tta: str = "none",
-         platforms=PLATFORMS) -> dict:
-    """Writes a restored classifier (jaxtrain.restore) to `out` and `out`.json."""
+def save(classifier, format: str, out: str, batch: int | None = None,
+         tta: str | None = None, platforms=PLATFORMS) -> dict:
+    """Writes a restored classifier (jaxtrain.restore) to `out` and `out`.json, with its
+    own TTA (the run's eval.tta unless restore was told another) unless `tta` says."""
+    tta = classifier.tta if tta is None else tta
     check_format(format, classifier.precision)
     check_writable(out)
     if format == "stablehlo":
