@@ -532,3 +532,15 @@ def test_the_finetune_recipe_on_a_cpu_says_bfloat16_is_slow_there(cifar_jpeg_fol
                     "--config.train.precision=float32")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "train.precision='bfloat16'" not in done.stdout
+
+
+def test_weights_named_for_another_model_say_which_key_to_add(cifar_jpeg_folder, tmp_path):
+    """configs/finetune.py is ResNet-50's: ResNet-18's weights alone stop the run before
+    any download, with the key that picks the model they are for."""
+    done = finetune(cifar_jpeg_folder, tmp_path / "run",
+                    "--config.model.init_from=torchvision:resnet18")
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: config.model.init_from='torchvision:resnet18' are weights for "
+                      "model.name='resnet18', not 'resnet50': add "
+                      "--config.model.name=resnet18"], done.stderr[-2000:]

@@ -115,7 +115,8 @@ def check_fits(init_from: str, model_name: str) -> None:
         entry = pretrained.entry(init_from)
         if entry.model != model_name:
             raise WeightsError(f"config.model.init_from={init_from!r} are weights for "
-                               f"model.name={entry.model!r}, not {model_name!r}")
+                               f"model.name={entry.model!r}, not {model_name!r}: add "
+                               f"--config.model.name={entry.model}")
 
 
 def jaxtrain_step_dir(path: str, label: str) -> str:
