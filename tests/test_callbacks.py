@@ -133,7 +133,12 @@ def test_callbacks_from_python_and_the_config_run_in_order(cifar_batches_dir, tm
     assert [c["step"] for c in calls if c["event"] == "row"] == [r["step"] for r in rows]
     evaluation = next(c for c in calls if c["event"] == "evaluation")
     assert evaluation["step"] == 20 and evaluation["test_loss"] == rows[1]["test_loss"]
-    assert evaluation["train_loss"] == rows[1]["train_loss"]
+    # train metrics: the mean over the epoch so far, as the console's epoch row has them
+    assert evaluation["train_loss"] == pytest.approx(report.epoch_means(rows[:2], 40)
+                                                     ["train_loss"])
+    assert evaluation["train_loss"] != pytest.approx(rows[1]["train_loss"])
+    last = [c for c in calls if c["event"] == "evaluation"][-1]
+    assert last["train_loss"] == pytest.approx(report.epoch_means(rows, 40)["train_loss"])
     assert calls[-1]["test_accuracy"] == summary["test_accuracy"]
 
 

@@ -6,7 +6,9 @@ compiled chunks (never inside them), after the run's own actions for that chunk
 
     on_run_start(run)           run: RunInfo (config, workdir, steps, devices, history)
     on_rows(rows)               each chunk's metrics rows (what metrics.jsonl gets)
-    on_evaluation(step, metrics)  test metrics, with the train metrics of that row
+    on_evaluation(step, metrics)  test metrics, with train_loss and train_accuracy the
+                                mean over the epoch's steps up to `step` (what the
+                                console's epoch row shows)
     on_checkpoint(step, path)   a checkpoint saved and on disk at `path`
     on_run_end(summary)         what summary.json holds
 

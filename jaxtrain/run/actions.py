@@ -352,6 +352,18 @@ class UserCallbacks(Action):
                     f"callback {callbacks_lib.describe(callback)}.{hook} failed{where}: "
                     f"{type(error).__name__}: {reason}; {kept}") from error
 
+    def with_epoch_means(self, step: int, metrics: dict) -> dict:
+        """An evaluation's metrics with train_loss and train_accuracy the mean over its
+        epoch's steps up to `step`: the figures the console's epoch row shows (a metrics
+        row's own are the mean since the row before)."""
+        records = [row for row in self.session.reporter.records if row["step"] <= step]
+        spe = self.session.setup.steps_per_epoch
+        if "replica" in metrics:  # a replicated run: a list per metric, one per replica
+            means = [report.epoch_means(records, spe, r) for r in metrics["replica"]]
+            return dict(metrics, **{key: [m.get(key) for m in means]
+                                    for key in ("train_loss", "train_accuracy")})
+        return dict(metrics, **report.epoch_means(records, spe))
+
     def start(self):
         s = self.session
         history = list(s.reporter.previous_records)
@@ -372,7 +384,7 @@ class UserCallbacks(Action):
         if rows:
             self.call("on_rows", [dict(row) for row in rows])
         for step, metrics in base.evaluation_points(rows):
-            self.call("on_evaluation", step, metrics, step=step)
+            self.call("on_evaluation", step, self.with_epoch_means(step, metrics), step=step)
         if chunk.saved and any(base.overrides(c, "on_checkpoint")
                                for c in self.callbacks):
             checkpoint.wait(self.session.manager)  # on disk before anyone is told
