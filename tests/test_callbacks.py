@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import ml_collections
 import numpy as np
 import pytest
 from overrides import with_overrides
@@ -142,6 +143,29 @@ def test_callbacks_from_python_and_the_config_run_in_order(cifar_batches_dir, tm
     assert calls[-1]["test_accuracy"] == summary["test_accuracy"]
 
 
+def test_a_callback_argument_is_a_key_of_its_entry(cifar_batches_dir, tmp_path):
+    """--config.callbacks.early.patience=1 sets EarlyStopping's patience (as Keras users
+    set one argument); an entry saved the older way (its arguments under `kwargs`) makes
+    the same callback."""
+    config = write_config(tmp_path / "early.py", early=("EarlyStopping", {
+        "monitor": "test_loss", "patience": 50, "min_delta": 10.0}))
+    done = subprocess.run(
+        [sys.executable, "main.py", f"--config={config}", f"--workdir={tmp_path / 'run'}",
+         f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
+         "--config.model.name=mlp", "--config.model.hidden_sizes=(16,)",
+         "--config.train.batch_size=50", "--config.train.num_steps=60",
+         "--config.eval.every_steps=10", "--config.eval.every_epochs=0",
+         "--config.callbacks.early.patience=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_early"]["step"] == 20  # no 10.0 drop after step 10's evaluation
+    old = ml_collections.ConfigDict({"name": "EarlyStopping",
+                                     "kwargs": {"monitor": "test_loss", "patience": 4}})
+    assert callbacks.callback_kwargs(old) == {"monitor": "test_loss", "patience": 4}
+    assert callbacks.callback_kwargs(callback("EarlyStopping", patience=4)) == {"patience": 4}
+
+
 def test_config_errors_name_the_callback(cifar_batches_dir):
     config = mlp_config(cifar_batches_dir)
     config.callbacks.early = callback("EarlyStoping", monitor="test_loss")
@@ -165,7 +189,8 @@ def write_config(path: Path, **entries) -> Path:
     """A config file: the seed recipe on the test subset, with callbacks `entries`
     (name -> (class, kwargs))."""
     lines = ["from configs import cifar_seed_cnn",
-             "from jaxtrain.config.defaults import callback", "", "def get_config():", "    config = cifar_seed_cnn.get_config()"]
+             "from jaxtrain.config.defaults import callback", "", "def get_config():",
+             "    config = cifar_seed_cnn.get_config()"]
     for name, (cls, kwargs) in entries.items():
         lines.append(f"    config.callbacks.{name} = callback({cls!r}, **{kwargs!r})")
     lines.append("    return config")

@@ -316,9 +316,9 @@ def check_config(config) -> None:
     for name in config.callbacks.keys():
         entry = config.callbacks[name]
         need(isinstance(entry, (dict, ml_collections.ConfigDict)) and isinstance(
-            entry.get("name"), str) and set(entry.keys()) <= {"name", "kwargs"},
-            f"callbacks.{name}", entry, "must be jaxtrain.config.defaults.callback("
-            "'package.module:Class' or a built-in's name, **kwargs)")
+            entry.get("name"), str), f"callbacks.{name}", entry,
+            "must be jaxtrain.config.defaults.callback('package.module:Class' or a "
+            "built-in's name, **kwargs)")
     need(not aug.alternate_flip or aug.flip, "augment.alternate_flip", aug.alternate_flip,
          "needs augment.flip=True")
     if aug.crop != "none":

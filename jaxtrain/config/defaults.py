@@ -202,8 +202,12 @@ def param_group(params: str, **settings) -> ml_collections.ConfigDict:
 
 def callback(name: str, **kwargs) -> ml_collections.ConfigDict:
     """One entry of config.callbacks: the class `name` names ('package.module:Class', or a
-    built-in of jaxtrain.callbacks by its name), built with kwargs."""
-    return ml_collections.ConfigDict({"name": name, "kwargs": kwargs})
+    built-in of jaxtrain.callbacks by its name), built with kwargs, each a key of the
+    entry beside `name`, so that --config.callbacks.NAME.patience=5 sets one."""
+    if "kwargs" in kwargs:
+        raise ValueError("callback(): 'kwargs' names the entries of configs saved before "
+                         "arguments became keys of their own; pass each argument by name")
+    return ml_collections.ConfigDict({"name": name, **kwargs})
 
 
 def recipe(name: str, beside: str) -> ml_collections.ConfigDict:

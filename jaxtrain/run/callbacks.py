@@ -40,11 +40,16 @@ def from_config(config, given=()) -> list:
     trackers config.logging names, then those passed from Python."""
     made = []
     for name in config.get("callbacks", {}).keys():
-        entry = config.callbacks[name]
-        kwargs = entry.get("kwargs", {})
-        made.append(create(name, entry.name, dict(kwargs.to_dict() if hasattr(
-            kwargs, "to_dict") else kwargs)))
+        made.append(create(name, config.callbacks[name].name,
+                           callback_kwargs(config.callbacks[name])))
     return made + trackers(config.get("logging", {})) + list(given)
+
+
+def callback_kwargs(entry) -> dict:
+    """A config.callbacks entry's arguments: its keys beside `name`, and (configs saved
+    before they were keys of their own) those under `kwargs`."""
+    entry = entry.to_dict() if hasattr(entry, "to_dict") else dict(entry)
+    return {**entry.pop("kwargs", {}), **{k: v for k, v in entry.items() if k != "name"}}
 
 
 def describe(callback) -> str:
