@@ -398,3 +398,29 @@ def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset
         f"newest checkpoint is {workdir / 'checkpoints'}/1; run the same command again to "
         "resume from it")
     assert steps_saved(workdir) == [1] and not (workdir / "summary.json").exists()
+
+
+def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batches_dir,
+                                                                      tmp_path):
+    """The user's command again with more epochs: a finished run (a linear-decay schedule,
+    which the length changes) trains on from its last step, saying what that means; a
+    shorter length, or any other change, is still refused."""
+    command = [sys.executable, "main.py", "--config=configs/fashion_mnist_mlp.py",
+               f"--workdir={tmp_path / 'run'}", "--config.data.name=cifar10",
+               f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
+               "--config.model.hidden_sizes=(16,)", "--config.train.batch_size=200",
+               "--config.eval.batch_size=250"]
+    first = subprocess.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    longer = subprocess.run([*command, "--config.train.num_epochs=2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert f"extending the finished run in {tmp_path / 'run'} (step 10) to 2 epochs: the " \
+        "learning-rate schedule is the new length's from here on" in longer.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["resumed_from_step"] == 10
+    shorter = subprocess.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert shorter.returncode == 2
+    assert "holds checkpoints of another recipe (train.num_epochs: 2 -> 1)" in shorter.stderr

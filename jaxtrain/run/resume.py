@@ -78,6 +78,11 @@ def check_resumable(workdir: str, config) -> None:
     changes = saved_recipe_changes(workdir, config, say_moved=True)
     if not changes:
         return
+    note = extension(workdir, config, changes)
+    if note is not None:  # a finished run trained on for longer: allowed, and said
+        if processes.is_main_process():
+            print(note, flush=True)
+        return
     listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
     if not config.checkpoint.allow_recipe_change:
         raise ConfigError(
@@ -88,6 +93,33 @@ def check_resumable(workdir: str, config) -> None:
         print(f"resuming with a changed recipe ({listed}): checkpoint.allow_recipe_change=True;"
               " the run is no longer an exact resume of the one that wrote the checkpoints",
               flush=True)
+
+
+LENGTH_KEYS = ("train.num_steps", "train.num_epochs")
+
+
+def extension(workdir: str, config, changes: list) -> str | None:
+    """The line for a finished run that `config` only makes longer (train.num_epochs or
+    num_steps raised; its newest checkpoint is its summary's last step), as Keras's fit
+    trains on from where it stopped; None for any other change."""
+    if any(key not in LENGTH_KEYS for key, _, _ in changes):
+        return None
+    try:
+        with open(os.path.join(workdir, report.SUMMARY_FILE)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    train = config.train
+    if not steps or max(steps) != summary.get("steps") or not (
+            train.num_steps > summary["steps"] if train.num_steps > 0
+            else train.num_epochs > summary.get("epochs", float("inf"))):
+        return None
+    length = (f"{train.num_steps} steps" if train.num_steps > 0
+              else f"{train.num_epochs} epochs")
+    return (f"extending the finished run in {workdir} (step {summary['steps']}) to {length}: "
+            "the learning-rate schedule is the new length's from here on, so this is not "
+            "the run the longer recipe would have trained from the start")
 
 
 def saved_recipe_changes(workdir: str, config, say_moved: bool = False) -> list:
