@@ -4,8 +4,8 @@ PATHs are image files or folders of them (walked recursively; JPEG, PNG, BMP,
 WebP in any mode and size), decoded and resized as the run's data were, and
 printed one line per image: the path, then the --top most probable classes with
 their probabilities (--json: one JSON object per line). A file that cannot be
-read is one line on stderr; the others are still classified, and the exit
-status is then 1. A WORKDIR without a checkpoint, or a bad flag: one line, exit 2.
+read is one line on stderr (--json: a JSON object with its path and the error);
+the others are still classified, and the exit status is then 1. A WORKDIR without a checkpoint, or a bad flag: one line, exit 2.
 """
 import json
 import sys
@@ -43,8 +43,9 @@ def main(argv):
     except (checkpoint.CheckpointError, ValueError) as error:
         usage_error(str(error).splitlines()[0])
     result = classifier.predict_files(paths)
-    for path, why in result.errors:
-        print(f"error: {path}: {why}" if not why.startswith(path) else f"error: {why}",
+    for path, why in result.errors:  # --json: a JSON line each, as the results are
+        print(json.dumps({"path": path, "error": why}) if FLAGS.json else
+              f"error: {path}: {why}" if not why.startswith(path) else f"error: {why}",
               file=sys.stderr)
     k = min(FLAGS.top, len(result.class_names))
     for i, path in enumerate(result.paths):

@@ -121,11 +121,13 @@ def test_cli_json_classifies_the_rest_when_files_are_unreadable(folder_run, phot
 
     done = predict_cli(folder_run, root, broken, missing, "--json", "--top=2")
     assert done.returncode == 1, done.stderr
-    errors = done.stderr.strip().splitlines()
-    assert len(errors) == 3, done.stderr  # one line per bad path, no traceback
-    assert all(line.startswith("error: ") for line in errors)
+    errors = [json.loads(line) for line in done.stderr.strip().splitlines()]
+    assert len(errors) == 3, done.stderr  # one JSON line per bad path, no traceback
+    assert sorted(error["path"] for error in errors) == sorted(
+        [str(broken / "half_a_photo.jpg"), str(garbage), str(missing)])
     for path in (truncated, str(garbage), str(missing)):
-        assert sum(path in line for line in errors) == 1, (path, errors)
+        assert sum(path in error["error"] or path == error["path"] for error in errors) == 1, \
+            (path, errors)
 
     rows = [json.loads(line) for line in done.stdout.strip().splitlines()]
     assert [row["path"] for row in rows] == good
