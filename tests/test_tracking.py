@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_callbacks import mlp_config
 
-from jaxtrain.run import loop
+import jaxtrain
 from jaxtrain.callbacks.trackers import tracker
+from jaxtrain.run import loop
 from jaxtrain.runtime import report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,12 +23,15 @@ def short_config(data_dir, **overrides):
 
 
 def test_mlflow_holds_the_params_every_row_the_summary_and_the_artifacts(cifar_batches_dir,
-                                                                         tmp_path):
+                                                                         tmp_path, capfd,
+                                                                         cifar_subset):
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = short_config(cifar_batches_dir, logging__mlflow=uri)
     summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
+    out, err = capfd.readouterr()  # a new store's set-up says nothing between the rows
+    assert "INFO" not in out + err and "database tables" not in out + err
     client = mlflow.MlflowClient(uri)
     experiment = client.get_experiment_by_name("jaxtrain")
     (run,) = client.search_runs([experiment.experiment_id])
@@ -41,7 +46,12 @@ def test_mlflow_holds_the_params_every_row_the_summary_and_the_artifacts(cifar_b
                                                  (40, rows[3]["test_accuracy"])]
     assert run.data.metrics["summary/test_accuracy"] == summary["test_accuracy"]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
-        report.SUMMARY_FILE, report.PLOT_FILE}
+        report.SUMMARY_FILE, report.PLOT_FILE, "model"}
+    # the model: the final checkpoint as a workdir of its own, which restore takes
+    model = client.download_artifacts(run.info.run_id, "model", str(tmp_path / "downloaded"))
+    images = cifar_subset["x_test"][:20]
+    np.testing.assert_array_equal(jaxtrain.restore(model).predict(images)[1],
+                                  jaxtrain.restore(str(tmp_path / "run")).predict(images)[1])
     # Artifacts beside the database, not in the current directory.
     assert experiment.artifact_location.startswith(f"file://{tmp_path / 'mlflow-artifacts'}")
     # A rerun of the finished run logs into the same MLflow run, nothing twice.

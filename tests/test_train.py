@@ -515,10 +515,15 @@ def checkpoint_tree(workdir, step):
         os.path.join(workdir, "checkpoints", str(step), "state"))
 
 
-def test_the_ema_is_a_numpy_ema_of_the_parameter_history(cifar_batches_dir, tmp_path):
+def test_the_ema_is_a_numpy_ema_of_the_parameter_history(cifar_batches_dir, tmp_path, capsys):
     decay = 0.7
     config = ema_config(cifar_batches_dir, train__ema_decay=decay)
     summary = loop.train_and_evaluate(config, str(tmp_path))
+    console = capsys.readouterr().out.splitlines()  # the EMA's columns beside the raw ones
+    header = next(line for line in console if line.split()[:2] == ["epoch", "step"])
+    assert header.split()[4:8] == ["test_loss", "test_acc", "loss_ema", "acc_ema"]
+    last_row = [line.split() for line in console if line.split()[1:2] == ["10"]][-1]
+    assert last_row[7] == f"{summary['test_accuracy_ema']:.2%}"
     initial = prepare.setup(config).state  # the same seed: the weights before step 1
     expected = jax.tree.map(np.asarray, {"params": initial.params,
                                          "batch_stats": initial.batch_stats})

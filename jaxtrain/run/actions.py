@@ -463,7 +463,8 @@ def console_row(latest: dict, records: list, steps_per_epoch: int) -> dict:
     if list(rows) == [None]:
         return rows[None]
     row = dict(rows[max(rows)])
-    for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+    for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_loss_ema",
+                "test_accuracy_ema"):
         if all(one.get(key) is not None for one in rows.values()):
             row[key] = replicas.mean_std(one[key] for one in rows.values())
     return row

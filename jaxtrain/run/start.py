@@ -91,7 +91,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     signals.enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
 
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
-                               write=main_process, spread=bool(run.runs))
+                               write=main_process, spread=bool(run.runs),
+                               ema=config.train.get("ema_decay") is not None)
     where = "host, streamed" if streaming else "devices"
     reporter.print_line(f"data on the {where}: {run.placement_reason}"
                         + (f"; {stream.workers} Grain workers" if streaming and stream.workers

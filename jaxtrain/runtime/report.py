@@ -24,6 +24,9 @@ SPREAD_COLUMNS = (("epoch", "epoch", 7, ".2f"), ("step", "step", 8, "d"),
                   ("train_accuracy", "train_acc", 15, ".2%"),
                   ("test_loss", "test_loss", 15, ".4f"), ("test_accuracy", "test_acc", 15, ".2%"),
                   ("seconds", "seconds", 8, ".2f"))
+# train.ema_decay: the averaged weights' test figures, after the raw weights' (width, spread width)
+EMA_COLUMNS = (("test_loss_ema", "loss_ema", 9, 15, ".4f"),
+               ("test_accuracy_ema", "acc_ema", 8, 15, ".2%"))
 # Row keys that say which run a row is of (replicas.py), not what it measured.
 RUN_KEYS = ("step", "replica", "seed")
 
@@ -71,6 +74,17 @@ def evaluation_progress(batches: int, write: bool = True):
                      delay=2.0, dynamic_ncols=True, disable=None if write else True)
 
 
+def table_columns(spread: bool = False, ema: bool = False) -> tuple:
+    """The console table's columns: the EMA's after the test accuracy, when there is one."""
+    columns = SPREAD_COLUMNS if spread else COLUMNS
+    if not ema:
+        return columns
+    at = next(i for i, (key, *_) in enumerate(columns) if key == "test_accuracy") + 1
+    added = tuple((key, header, spread_width if spread else width, spec)
+                  for key, header, width, spread_width, spec in EMA_COLUMNS)
+    return columns[:at] + added + columns[at:]
+
+
 class Reporter:
     """Writes every logged record to metrics.jsonl and TensorBoard as it arrives.
 
@@ -79,11 +93,12 @@ class Reporter:
     """
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, stream=None,
-                 write: bool = True, spread: bool = False):
+                 write: bool = True, spread: bool = False, ema: bool = False):
         """start_step > 0 continues a resumed run: records up to it are kept, later ones
         (written after the checkpoint the run resumed from) are dropped. spread: the
-        console rows are (mean, std) over replicas."""
-        self.columns = SPREAD_COLUMNS if spread else COLUMNS
+        console rows are (mean, std) over replicas. ema: the table has the averaged
+        weights' test columns too (train.ema_decay)."""
+        self.columns = table_columns(spread, ema)
         tensorboardX = import_tensorboardx()
         self.workdir = workdir
         self.write = write

@@ -1,9 +1,13 @@
 """MLflowTracker (logging.mlflow): params, rows, the summary, summary.json and curves.png as
-artifacts; mlflow is imported only when the key is set (pip install 'jaxtrain[mlflow]')."""
+artifacts, and the model: the final checkpoint with the run's config.json under `model/`,
+a folder jaxtrain.restore takes once downloaded. mlflow is imported only when the key is
+set (pip install 'jaxtrain[mlflow]'), and its INFO lines are kept off the console."""
+import logging
 import os
 
 from jaxtrain.callbacks.trackers import tracker
 from jaxtrain.runtime import report
+from jaxtrain.training import checkpoint
 
 
 class MLflowTracker(tracker.Tracker):
@@ -12,6 +16,8 @@ class MLflowTracker(tracker.Tracker):
 
     def __init__(self, uri: str, experiment: str = "jaxtrain"):
         self.mlflow = tracker.import_optional("mlflow", "mlflow")
+        for name in ("mlflow", "alembic"):  # a new store's set-up logs at INFO, mid-table
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.uri, self.experiment = uri, experiment
 
     def start(self, run, run_id):
@@ -57,4 +63,15 @@ class MLflowTracker(tracker.Tracker):
         for name in (report.SUMMARY_FILE, report.PLOT_FILE):
             if os.path.exists(os.path.join(workdir, name)):
                 self.client.log_artifact(self.run_id, os.path.join(workdir, name))
+        self.log_model(workdir, summary["steps"])
         self.client.set_terminated(self.run_id, "FINISHED")
+
+    def log_model(self, workdir: str, step: int) -> None:
+        """model/config.json and model/checkpoints/STEP: the run's final weights as a
+        workdir of their own (jaxtrain.restore, --mode=eval, predict and export take it)."""
+        config = os.path.join(workdir, checkpoint.CONFIG_FILE)
+        saved = os.path.join(checkpoint.checkpoint_dir(workdir), str(step))
+        if not (os.path.isfile(config) and os.path.isdir(saved)):
+            return
+        self.client.log_artifact(self.run_id, config, "model")
+        self.client.log_artifacts(self.run_id, saved, f"model/checkpoints/{step}")
