@@ -424,3 +424,32 @@ def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batc
                              capture_output=True, text=True, timeout=300)
     assert shorter.returncode == 2
     assert "holds checkpoints of another recipe (train.num_epochs: 2 -> 1)" in shorter.stderr
+
+
+def test_early_stopping_restores_the_best_weights_as_keras_does(cifar_batches_dir, tmp_path):
+    """EarlyStopping(restore_best_weights=True) with checkpoint.best_metric=test_loss: the
+    run ends with its best checkpoint's weights, and the summary has that evaluation's
+    figures; without the best checkpoint it stops at the start with one line."""
+    from jaxtrain.callbacks import EarlyStopping
+    config = small_config(cifar_batches_dir, optimizer__learning_rate=0.3, train__num_steps=80,
+                          checkpoint__every_steps=0, checkpoint__every_epochs=0,
+                          checkpoint__keep=1, checkpoint__best_metric="test_loss",
+                          eval__every_steps=10)
+    stop = EarlyStopping(monitor="test_loss", patience=3, restore_best_weights=True)
+    summary = loop.train_and_evaluate(config, str(tmp_path / "run"), callbacks=[stop])
+    points = {r["step"]: r for r in report.read_metrics(str(tmp_path / "run"))
+              if "test_loss" in r}
+    best = min(points, key=lambda step: (points[step]["test_loss"], step))
+    assert summary["restored_best_weights"] == {"step": best} and best < max(points), points
+    assert summary["test_loss"] == points[best]["test_loss"]
+    assert summary["test_accuracy"] == points[best]["test_accuracy"]
+    from jaxtrain.training import checkpoint
+    assert summary["params_sha256"] == checkpoint.params_sha256(
+        jaxtrain.restore(str(tmp_path / "run"), which="best").state)
+    with pytest.raises(jaxtrain.TrainingError,
+                       match=r"restore_best_weights=True restores the best checkpoint by "
+                       r"test_loss: set --config\.checkpoint\.best_metric="
+                       r"test_loss \(it is ''\)"):
+        loop.train_and_evaluate(with_overrides(config, {"checkpoint__best_metric": ""}),
+                                str(tmp_path / "other"), callbacks=[
+                                    EarlyStopping(restore_best_weights=True)])

@@ -14,11 +14,13 @@ class EarlyStopping(base.Callback):
     ('train_loss', 'train_accuracy'); mode 'min', 'max' or 'auto' (max for accuracy).
     A replicated run watches the mean over its replicas. A resumed run rebuilds its
     state from the evaluations in its history, so it stops where an uninterrupted
-    run would.
+    run would. restore_best_weights (as Keras's): the run ends with the weights of its
+    best checkpoint by `monitor` (checkpoint.best_metric must name it), and its summary
+    with that evaluation's figures.
     """
 
     def __init__(self, monitor: str = "test_loss", patience: int = 3, min_delta: float = 0.0,
-                 mode: str = "auto"):
+                 mode: str = "auto", restore_best_weights: bool = False):
         if mode == "auto":
             mode = "max" if "accuracy" in monitor else "min"
         if mode not in ("min", "max"):
@@ -28,10 +30,16 @@ class EarlyStopping(base.Callback):
         if not min_delta >= 0:
             raise ValueError(f"min_delta={min_delta!r}: must be >= 0")
         self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
+        self.restore_best_weights = bool(restore_best_weights)
         self.best = self.best_step = None
         self.waited = 0
 
     def on_run_start(self, run: base.RunInfo) -> None:
+        kept = run.config.checkpoint.best_metric
+        if self.restore_best_weights and kept != self.monitor:
+            raise ValueError(f"restore_best_weights=True restores the best checkpoint by "
+                             f"{self.monitor}: set --config.checkpoint.best_metric="
+                             f"{self.monitor} (it is {kept!r})")
         for step, metrics in base.evaluation_points(run.history):
             self.on_evaluation(step, metrics)
 

@@ -280,10 +280,13 @@ class Checkpoints(Action):
     checkpoint.best_metric, also at every evaluation, with its test metric, so that the
     manager (Orbax's BestN policy) keeps the best ones."""
 
-    def __init__(self, session):
+    def __init__(self, session, restore_best: bool = False):
+        """restore_best: end with the best checkpoint's weights and figures (a callback's
+        restore_best_weights)."""
         super().__init__(session)
         self.best = checkpoint.best_policy(session.config.checkpoint)
         self.best_checkpoint = None
+        self.restore_best, self.restored = restore_best, None
 
     def after_chunk(self, chunk):
         every = self.session.save_every
@@ -312,11 +315,27 @@ class Checkpoints(Action):
             if step is not None and values:
                 self.best_checkpoint = {"step": step, self.best[0]: float(np.mean(values)),
                                         "path": os.path.join(s.manager.directory, str(step))}
+                if self.restore_best:
+                    self.restore(step)
         s.clock.lap("checkpoint")
+
+    def restore(self, step: int) -> None:
+        """The session's state and test figures become those of checkpoint `step`."""
+        s = self.session
+        s.state = checkpoint.restore(s.manager, s.state, s.data_key, step)[0]
+        rows = sorted((row for row in s.reporter.records
+                       if row["step"] == step and row.get("test_loss") is not None),
+                      key=lambda row: row.get("replica", 0))
+        names = [key for key in rows[0] if key.startswith("test_")]
+        s.test_metrics = {key.removeprefix("test_"): rows[0][key] if len(rows) == 1
+                          else [row[key] for row in rows] for key in names}
+        s.test_step, self.restored = step, step
 
     def summarize(self, summary):
         if self.best_checkpoint is not None:
             summary["best_checkpoint"] = self.best_checkpoint
+        if self.restored is not None:
+            summary["restored_best_weights"] = {"step": self.restored}
 
 
 class UserCallbacks(Action):

@@ -53,7 +53,8 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
         return complete
     session, user_callbacks = start_lib.start(config, workdir, model, clock, profile_steps,
                                               warm_up, callbacks, peers)
-    checkpoints = actions.Checkpoints(session)
+    checkpoints = actions.Checkpoints(session, restore_best=any(
+        getattr(callback, "restore_best_weights", False) for callback in user_callbacks))
     steps = [actions.Profile(session), actions.Rows(session), actions.Evaluation(session),
              actions.Log(session), actions.Projection(session), checkpoints,
              actions.UserCallbacks(session, user_callbacks), actions.Stops(session, checkpoints)]
