@@ -5,7 +5,8 @@ WebP in any mode and size), decoded and resized as the run's data were, and
 printed one line per image: the path, then the --top most probable classes with
 their probabilities (--json: one JSON object per line). A file that cannot be
 read is one line on stderr (--json: a JSON object with its path and the error);
-the others are still classified, and the exit status is then 1. A WORKDIR without a checkpoint, or a bad flag: one line, exit 2.
+the others are still classified, and the exit status is then 1. A WORKDIR without a
+checkpoint, or a bad flag: one line, exit 2.
 """
 import json
 import sys

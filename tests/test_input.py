@@ -1,5 +1,6 @@
 """Streaming input (jaxtrain/training/batches.py): the same batches and parameters as the
-device path, exact resume after SIGKILL, disjoint shards over processes, corrupt files, ImageNet's recipe."""
+device path, exact resume after SIGKILL, disjoint shards over processes, corrupt files,
+ImageNet's recipe."""
 import hashlib
 import json
 import os

@@ -176,8 +176,8 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         key = jax.random.split(jax.random.key(0), len(runs)) if runs else jax.random.key(0)
         abstract = jax.eval_shape(functools.partial(
             train_state.create_train_state, model=model, tx=tx,
-            image_shape=tuple(meta["image_shape"]), hyperparams=replicas.hyperparams(runs), replicas=runs is not None,
-            ema=config.train.get("ema_decay") is not None), key)
+            image_shape=tuple(meta["image_shape"]), hyperparams=replicas.hyperparams(runs),
+            replicas=runs is not None, ema=config.train.get("ema_decay") is not None), key)
         state, _, meta = checkpoint.restore(manager, checkpoint.restore_target(abstract, device),
                                             key, meta["step"])
     finally:
