@@ -1,5 +1,6 @@
 """Bigger models and batches: train.accumulate_steps, model.remat, parallel.fsdp and
 bench --memory, on real CIFAR-10 images (several CPU devices in subprocesses)."""
+import functools
 import json
 import os
 import shutil
@@ -158,7 +159,10 @@ def test_remat_gives_the_same_loss_and_gradients(name, size, cifar_subset):
     for remat in (False, True):
         config.model.remat = remat
         model = models.create_model(config.model, 10, jnp.float32)
-        variables = model.init(jax.random.key(0), images[:1], train=False)
+        if name == "vit_tiny":  # two of its twelve blocks: the same remat, 6x less to compile
+            model = model.clone(depth=2)
+        variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0),
+                                                                        images[:1])
         results[remat] = (variables, jax.jit(loss_and_grads, static_argnums=0)(
             model, variables, images, labels))
         jaxpr = str(jax.make_jaxpr(lambda v: loss_and_grads(model, v, images, labels))(variables))
@@ -209,14 +213,14 @@ def probe(spec: dict, devices: int, tmp_path) -> dict:
     return json.loads(out_file.read_text())
 
 
-RESNET = dict(model="resnet50", stem="imagenet", steps=5, batch_size=16)  # 64 px
+RESNET = dict(model="resnet18", stem="imagenet", steps=5, batch_size=16)  # 64 px
 VIT = dict(model="vit_tiny", steps=5, batch_size=8, optimizer="adamw",
            learning_rate=1e-3)  # 32 px: 4 patches and the class token
 
 
 def eight_device_runs(tmp_path_factory, arrays32, arrays64):
     """Runs and memory analyses on 8 CPU devices, in one subprocess. (CI's share of the
-    layouts: ResNet-50 with fsdp 4 x data 2, ViT-T with fsdp 8; each model with every
+    layouts: ResNet-18 with fsdp 4 x data 2, ViT-T with fsdp 8; each model with every
     layout passes too, and takes a minute more.)"""
     root = tmp_path_factory.mktemp("fsdp8")
     runs = []
