@@ -180,10 +180,8 @@ def test_dirac_init_passes_the_first_channels_through(in_channels, out_channels)
 
 
 def test_dirac_init_reaches_every_block_conv_and_only_them():
-    # compiled, as training initialises (op by op, each op compiles on its own: 3x slower)
-    variables = jax.jit(small_cifar_cnn(conv_init="dirac").init)(jax.random.key(0),
-                                                                 jnp.zeros((1, 16, 16, 3)))
-    default = jax.jit(small_cifar_cnn().init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    variables = init(small_cifar_cnn(conv_init="dirac"), (1, 16, 16, 3))
+    default = init(small_cifar_cnn(), (1, 16, 16, 3))
     params, default = variables["params"], default["params"]
     x = jax.random.normal(jax.random.key(1), (2, 4, 4, 12))
     for block in ("ConvBlock_0", "ConvBlock_1", "ConvBlock_2"):
