@@ -56,9 +56,7 @@ def config_for(npz: str, overrides: dict):
     config.train.batch_size, config.train.num_epochs = 16, 2
     config.train.compilation_cache = ""
     config.eval.batch_size = 64
-    for key, value in overrides.items():
-        block, name = key.split(".")
-        config[block][name] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 
