@@ -86,6 +86,16 @@ def write_tar(archive, members):
     return Path(archive)
 
 
+def init_compiled(model, x):
+    """A Flax model's variables (key 0, train=False) from one compiled init call, as training
+    makes them: op by op, each op of a CNN's init compiles on its own (several times slower
+    on a CPU)."""
+    import functools
+
+    import jax
+    return jax.jit(functools.partial(model.init, train=False))(jax.random.key(0), x)
+
+
 # The longest tests (a minute or more each on a 2-core CI machine) start first, so that
 # with the workers (-n 3 --dist worksteal) the rest fill in around them instead of one
 # of them running alone at the end.

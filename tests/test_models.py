@@ -7,6 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from conftest import init_compiled
 from configs import default
 from jaxtrain import models
 from jaxtrain.models import cnn, resnet, whitening
@@ -21,10 +22,7 @@ def model_config(name, **overrides):
 
 
 def init(model, shape=(2, 32, 32, 3)):
-    """The model's variables, initialised in one compiled call as training does (op by op,
-    each op of a CNN's init compiles on its own: several times slower on a CPU)."""
-    return jax.jit(functools.partial(model.init, train=False))(jax.random.key(0),
-                                                               jnp.zeros(shape))
+    return init_compiled(model, jnp.zeros(shape))
 
 
 def test_seed_cnn_matches_the_article_network():

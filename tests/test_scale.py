@@ -1,6 +1,5 @@
 """Bigger models and batches: train.accumulate_steps, model.remat, parallel.fsdp and
 bench --memory, on real CIFAR-10 images (several CPU devices in subprocesses)."""
-import functools
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import init_compiled
 from overrides import with_overrides
 
 import jaxtrain
@@ -161,8 +161,7 @@ def test_remat_gives_the_same_loss_and_gradients(name, size, cifar_subset):
         model = models.create_model(config.model, 10, jnp.float32)
         if name == "vit_tiny":  # two of its twelve blocks: the same remat, 6x less to compile
             model = model.clone(depth=2)
-        variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0),
-                                                                        images[:1])
+        variables = init_compiled(model, images[:1])
         results[remat] = (variables, jax.jit(loss_and_grads, static_argnums=0)(
             model, variables, images, labels))
         jaxpr = str(jax.make_jaxpr(lambda v: loss_and_grads(model, v, images, labels))(variables))
