@@ -180,30 +180,47 @@ def trainer_of(process) -> int:
     return int(children[0])
 
 
-@pytest.mark.parametrize("lost", [0, 1])
+@pytest.mark.parametrize("lost, how", [(0, "kill"), (1, "freeze")])
 def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_batches_dir,
-                                                                lost):
-    """SIGKILL to one process: the other used to abort natively (exit 134; about 80 s
-    later, or at once when process 0, the coordination service's host, was lost); it
-    now stops within --peer_timeout, in one line naming the lost process and the newest
-    checkpoint, with exit status 75. The killed one's trainer goes with it."""
+                                                                lost, how):
+    """Process 0 (the coordination service's host) killed, or process 1's trainer frozen
+    (SIGSTOP, as a hung machine): the other used to abort natively (exit 134; about 80 s
+    later, or at once when process 0 was lost); it now stops within --peer_timeout with
+    exit status 75, in one line naming the newest checkpoint and the lost process, whose
+    heartbeat went silent. A kill can also end the survivor inside a collective first
+    (docs/parallel.md; CI saw it): then the line names the survivor and its native report.
+    A frozen peer keeps its sockets open, so only its silence can be seen. The lost
+    process's trainer goes with it."""
     processes = start_two_and_wait_for_a_checkpoint(tmp_path, cifar_batches_dir)
     survivor = 1 - lost
-    orphan = trainer_of(processes[lost])
-    processes[lost].kill()
-    killed_at = time.monotonic()
+    trainer = trainer_of(processes[lost])
+    if how == "kill":
+        processes[lost].kill()
+    else:
+        os.kill(trainer, signal.SIGSTOP)
+    lost_at = time.monotonic()
     result = finish(processes[survivor], timeout=120)
+    processes[lost].kill()  # a frozen trainer goes with its parent
     finish(processes[lost])
     assert result.returncode == processes_lib.PEER_LOST, result.stderr[-3000:]
-    assert time.monotonic() - killed_at < 4 + 10
+    assert time.monotonic() - lost_at < 4 + 10
     assert "Traceback" not in result.stderr and "Check failure" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith(f"error: process {lost} of 2 was lost (no heartbeat for 4 s); "
-                               f"process {survivor} stops too. The newest checkpoint is "
-                               f"{tmp_path / 'checkpoints'}/"), lines[0]
-    assert lines[0].endswith("Rerun every process to resume.")
-    assert not Path(f"/proc/{orphan}").exists()  # no trainer left behind
+    newest = f"The newest checkpoint is {tmp_path / 'checkpoints'}/"
+    inside = f"error: process {survivor} of 2 stopped inside JAX's runtime ("
+    if how == "kill" and lines[0].startswith(inside):
+        report = tmp_path / f"native-report-process{survivor}.txt"
+        assert f"process {survivor} stops too. {newest}" in lines[0] and report.is_file()
+        assert lines[0].endswith(f"Rerun every process to resume. (its native report: {report})")
+    else:
+        assert lines[0].startswith(f"error: process {lost} of 2 was lost (no heartbeat for 4 s); "
+                                   f"process {survivor} stops too. {newest}"), lines[0]
+        assert lines[0].endswith("Rerun every process to resume.")
+    gone_by = time.monotonic() + 10  # no trainer left behind (a zombie is reaped at once)
+    while Path(f"/proc/{trainer}").exists() and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{trainer}").exists(), Path(f"/proc/{trainer}/status").read_text()
 
 
 def test_a_survivor_that_ends_inside_the_runtime_still_says_one_line(tmp_path,
