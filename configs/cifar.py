@@ -27,6 +27,6 @@ def get_config():
     config.train.batch_size = 1024
     config.train.num_epochs = 16
     config.train.label_smoothing = 0.2
-    config.train.precision = "bfloat16"
+    config.train.precision = "auto"  # bfloat16 on a GPU; float32 on a CPU, where bfloat16 is slow
     config.eval.tta = "flip_translate"
     return config

@@ -5,7 +5,7 @@
 
 The common CIFAR ResNet-18 recipe: Nesterov SGD, lr 0.1 per 128 images (0.4 at
 batch 512) with a warm-up and cosine decay, weight decay 5e-4, label smoothing
-0.1, flips and 4-pixel shifts, 60 epochs, bfloat16.
+0.1, flips and 4-pixel shifts, 60 epochs, bfloat16 on a GPU (train.precision='auto').
 """
 from jaxtrain.config import defaults
 
@@ -28,6 +28,5 @@ def get_config():
     config.train.batch_size = 512
     config.train.num_epochs = 60
     config.train.label_smoothing = 0.1
-    config.train.precision = "bfloat16"
     config.eval.tta = "flip"
     return config

@@ -29,7 +29,6 @@ def get_config():
     config.train.batch_size = 256
     config.train.num_epochs = 12
     config.train.label_smoothing = 0.1
-    config.train.precision = "float32"  # the CPU has no fast bfloat16 convolutions
     config.eval.batch_size = 2000
     config.eval.tta = "flip"
     return config

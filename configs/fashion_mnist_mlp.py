@@ -17,6 +17,6 @@ def get_config():
     config.optimizer.schedule = "linear"
     config.train.batch_size = 128
     config.train.num_epochs = 10
-    config.train.precision = "float32"
+    config.train.precision = "float32"  # as the article trains
     config.eval.batch_size = 2000
     return config

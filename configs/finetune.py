@@ -12,8 +12,9 @@ or timm state_dict), a .safetensors file, or another jaxtrain run's workdir.
 
 The recipe: SGD with Nesterov momentum at lr 0.01 for the backbone and 10x that for
 the new head, 10% linear warm-up then cosine decay, label smoothing 0.1, flips and
-16-pixel shifts, 10 epochs at 224 px in bfloat16. data.image_size=160 has about half the
-pixels to compute on, usually at some cost in accuracy. A linear probe (only the head trains):
+16-pixel shifts, 10 epochs at 224 px in bfloat16 on a GPU (float32 on a CPU).
+data.image_size=160 has about half the pixels to compute on, usually at some cost in
+accuracy. A linear probe (only the head trains):
 --config.optimizer.groups.backbone.freeze=True --config.model.freeze_batch_stats=True.
 """
 from jaxtrain.config import defaults
@@ -42,6 +43,5 @@ def get_config():
     config.train.batch_size = 64
     config.train.num_epochs = 10
     config.train.label_smoothing = 0.1
-    config.train.precision = "bfloat16"
     config.eval.batch_size = 250
     return config

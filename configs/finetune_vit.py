@@ -11,8 +11,8 @@ other than 224 the position embeddings are resampled (bicubic), as timm does.
 The recipe, after the usual ViT fine-tuning ones: AdamW at lr 1e-4 for the backbone and
 10x for the new head, weight decay 0.05, 10% warm-up then cosine decay, label
 smoothing 0.1, MixUp 0.8 and CutMix 1.0 (one or the other per batch), stochastic depth
-0.1, flips, 10 epochs at 224 px in bfloat16. Other sizes: model.name='vit_tiny' or
-'vit_base' with the matching --config.model.init_from.
+0.1, flips, 10 epochs at 224 px in bfloat16 on a GPU (float32 on a CPU). Other sizes:
+model.name='vit_tiny' or 'vit_base' with the matching --config.model.init_from.
 """
 from jaxtrain.config import defaults
 
@@ -38,6 +38,5 @@ def get_config():
     config.train.batch_size = 64
     config.train.num_epochs = 10
     config.train.label_smoothing = 0.1
-    config.train.precision = "bfloat16"
     config.eval.batch_size = 250
     return config

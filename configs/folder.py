@@ -9,7 +9,7 @@ later runs start in seconds. At 64 px and below ResNet-18 takes the CIFAR stem (
 conv, no pooling); above, the ImageNet stem (7x7/2 conv + max-pool).
 
 configs/cifar100_resnet18.py's recipe (Nesterov SGD with a warm-up and cosine decay,
-weight decay 5e-4, label smoothing 0.1, flips and 4-pixel shifts, bfloat16) at batch
+weight decay 5e-4, label smoothing 0.1, flips and 4-pixel shifts, bfloat16 on a GPU) at batch
 256 and lr 0.2 for 30 epochs; change data.image_size, train.num_epochs and
 train.batch_size to suit yours.
 """

@@ -44,7 +44,6 @@ def get_config():
     config.augment.flip = True
     config.train.num_epochs = 90
     config.train.label_smoothing = 0.1
-    config.train.precision = "bfloat16"
     config.train.log_every_steps = 250
     config.train.chunk_steps = 250  # several processes stop for a signal within 250 steps
     config.checkpoint.every_steps = 2500

@@ -52,12 +52,15 @@ def test_short_run_learns_well_above_chance(short_run):
 
 def test_a_bfloat16_run_takes_the_float32_runs_steps_and_keeps_float32_weights(
         short_run, cifar_batches_dir, tmp_path):
-    """The recipe's mixed precision: computed in bfloat16, the weights kept in float32;
-    its first 10 steps are the float32 run's to bfloat16's precision."""
+    """The recipe's mixed precision on a GPU ('auto'), asked for here: computed in
+    bfloat16, the weights kept in float32; its first 10 steps are the float32 run's to
+    bfloat16's precision."""
     config = small_config(cifar_batches_dir, train__log_every_steps=10, train__num_steps=10,
                           eval__tta="none")
-    assert config.train.precision == "bfloat16"
+    assert config.train.precision == "auto"  # float32 here, on a CPU
+    config.train.precision = "bfloat16"
     summary = loop.train_and_evaluate(config, str(tmp_path))
+    assert summary["precision"] == "bfloat16"
     assert summary["steps"] == 10 and np.isfinite(summary["test_loss"])
     bfloat16, float32 = ([row["train_loss"] for row in report.read_metrics(str(workdir))
                           if row["step"] == 10] for workdir in (tmp_path, short_run[0]))

@@ -512,7 +512,7 @@ def run_torch_fast(config, dataset, mean, std, total_steps: int,
     torch_compile = device.type == "cuda" if torch_compile is None else torch_compile
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    precision = config.train.precision
+    precision = checks.resolve_precision(config.train.precision)
     # Newton-Schulz in bfloat16 where the weights would be (the model aside)
     ns_bfloat16 = bfloat16 if bfloat16 is not None else (device.type == "cuda"
                                                          and precision == "bfloat16")
@@ -707,7 +707,8 @@ def run_jax(config, workdir: str) -> dict:
             "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
             "param_count": summary["param_count"], "steps": summary["steps"],
             "examples_seen": summary["steps"] * summary["batch_size"],
-            "precision": config.train.precision, "version": f"jax {jax.__version__}",
+            "precision": checks.resolve_precision(config.train.precision),
+            "version": f"jax {jax.__version__}",
             "curve": curve}
 
 

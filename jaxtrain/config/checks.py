@@ -6,6 +6,7 @@ turns its ConfigError into one line, `error: config.KEY=VALUE: what is wrong
 """
 import difflib
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -18,6 +19,20 @@ from jaxtrain.runtime import xla_flags
 from jaxtrain.training import augment, batches, optim, replicas
 
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+PRECISION_CHOICES = ("auto", *PRECISIONS)  # train.precision
+
+
+def resolve_precision(precision: str) -> str:
+    """train.precision as the run computes it: 'auto' is bfloat16 where the default
+    device computes it fast (GPUs, TPUs) and float32 on a CPU."""
+    if precision != "auto":
+        return precision
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def compute_dtype(precision: str):
+    """The models' compute dtype for train.precision (resolve_precision's)."""
+    return PRECISIONS[resolve_precision(precision)]
 
 
 def flat_keys(config, prefix: str = "") -> list[str]:
@@ -220,12 +235,13 @@ RANGES = {
     "train.accumulate_steps": (_at_least(1, True), "an int >= 1 (1: off)"),
     "train.num_epochs": (_at_least(0, True), "an int >= 0"),
     "train.num_steps": (_at_least(0, True), "an int >= 0 (0: train.num_epochs decides)"),
-    "train.precision": (_one_of(*PRECISIONS), "one of " + ", ".join(PRECISIONS)),
+    "train.precision": (_one_of(*PRECISION_CHOICES), "one of " + ", ".join(PRECISION_CHOICES)),
     "train.label_smoothing": (_within(0, 1, open_high=True), "in [0, 1)"),
     "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: about 50 rows a run)"),
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
     "train.drop_finished_groups": (lambda v: isinstance(v, bool), "True or False"),
     "train.chunk_steps": (_at_least(0, True), "an int >= 0 (0: an epoch)"),
+    "train.chunk_seconds": (_at_least(0), ">= 0 (seconds; 0: a scanned chunk runs whole)"),
     "train.nonfinite": (_one_of("stop", "skip"), "'stop' or 'skip'"),
     "train.ema_decay": (lambda v: v is None or (_number(v) and 0 <= v < 1),
                         "None (off) or in [0, 1), e.g. 0.999"),
@@ -241,6 +257,7 @@ RANGES = {
                                "with train.ema_decay)"),
     "checkpoint.best_mode": (_one_of("auto", "max", "min"), "'auto', 'max' or 'min'"),
     "checkpoint.keep_best": (_at_least(1, True), "an int >= 1"),
+    "checkpoint.resume_step": (_at_least(0, True), "an int >= 0 (0: the newest checkpoint)"),
     "logging.mlflow": (lambda v: isinstance(v, str), "'' (off) or an MLflow tracking URI"),
     "logging.mlflow_experiment": (lambda v: isinstance(v, str) and v != "",
                                   "an experiment name"),
@@ -381,6 +398,7 @@ def moved_data_dir(saved: dict, config) -> str | None:
 # checkpoint policy, how the same batches are read): a resumed run may change them
 # (checkpoint. includes checkpoint.allow_recipe_change itself).
 RESUMABLE_CHANGES = ("train.log_every_steps", "train.loop", "train.chunk_steps",
+                     "train.chunk_seconds",
                      "train.drop_finished_groups",
                      "train.compilation_cache", "train.xla_flags", "callbacks.",
                      "logging.",
@@ -425,6 +443,8 @@ def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:
                 and GROUP_DEFAULTS.get(key.rsplit(".", 1)[1], object()) == new[key]):
             continue  # a group setting newer than the saved run, at its default
         before, after = old.get(key, "(not set)"), new.get(key, "(not set)")
+        if key == "train.precision" and resolve_precision(before) == resolve_precision(after):
+            continue  # 'auto' is what it computes here
         if _normal(before) != _normal(after):
             changes.append((key, before, after))
     return changes

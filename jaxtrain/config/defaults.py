@@ -118,10 +118,14 @@ def get_config() -> ml_collections.ConfigDict:
                                      # its running averages update this many times a step (as in Keras)
     config.train.num_epochs = 10
     config.train.num_steps = 0       # > 0 overrides num_epochs
-    config.train.precision = "bfloat16"  # 'bfloat16' (float32 params/stats/opt state) | 'float32'
+    config.train.precision = "auto"  # 'bfloat16' (float32 params/stats/opt state) | 'float32' | 'auto' (bfloat16 on
+                                     # GPUs and TPUs, float32 on a CPU, whose bfloat16 is many times slower)
     config.train.label_smoothing = 0.0
     config.train.log_every_steps = 0  # a metrics.jsonl row every this many steps; 0 = about 50 rows a run (no extra chunks either way)
     config.train.chunk_steps = 0     # > 0: a chunk (one program call) ends at every multiple of this many steps, where a multi-process run can stop for a signal; 0 = epochs
+    config.train.chunk_seconds = 2.0  # a scanned chunk runs in calls of about this long, so that a signal is honoured and the
+                                     # progress bar moves within it: on a CPU from the first step, elsewhere once a chunk took
+                                     # longer (one more program compiled then); 0 = chunks run whole (single-process runs)
     config.train.loop = "auto"       # "scan" (a chunk = one program), "python" (a call per step), "auto": scan except on the
                                      # CPU for models with XLA's convolutions (model.conv_impl='xla', users' models)
     config.train.drop_finished_groups = False  # True: from each optimizer group's train_steps on, the chunks are
@@ -151,6 +155,9 @@ def get_config() -> ml_collections.ConfigDict:
                                         # (a checkpoint at every evaluation; resume still takes the newest)
     config.checkpoint.best_mode = "auto"  # 'max' | 'min' | 'auto' (max for accuracy, min for loss)
     config.checkpoint.keep_best = 1     # best checkpoints kept, besides the newest `keep`
+    config.checkpoint.resume_step = 0   # > 0: resume from this step's checkpoint instead of the newest (the newer ones are
+                                        # moved aside to checkpoints-set-aside/, not deleted); a newest one that cannot be
+                                        # read stops the run, naming the older ones
     config.checkpoint.allow_recipe_change = False  # True: resume even though the recipe changed
                                         # (model, optimizer, data, ...); the run is then no longer exact
 

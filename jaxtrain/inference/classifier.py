@@ -164,7 +164,7 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
             model = user.from_instance(model)
         else:
             model = models.create_model(config.model, len(meta["class_names"]),
-                                        checks.PRECISIONS[precision or config.train.precision])
+                                        checks.compute_dtype(precision or config.train.precision))
         runs = replicas.runs(config)
         if runs is None and replica is not None:
             raise ValueError(f"replica={replica}: {workdir} holds a single run, not replicas")
@@ -193,7 +193,8 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
     return Classifier(state, meta, tta or config.eval.tta, config.augment.pad_mode,
                       config.eval.batch_size, replica,
                       resize=config.get("data", {}).get("resize", "crop"), workdir=workdir,
-                      weights=weights, precision=precision or config.train.precision)
+                      weights=weights,
+                      precision=checks.resolve_precision(precision or config.train.precision))
 
 
 def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None,

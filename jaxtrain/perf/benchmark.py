@@ -55,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxtrain import models  # noqa: E402
+from jaxtrain.config import checks  # noqa: E402
 from jaxtrain.errors import ConfigError, TrainingError  # noqa: E402
 from jaxtrain.models import whitening  # noqa: E402
 from jaxtrain.runtime import mesh as mesh_lib, processes, xla_flags  # noqa: E402
@@ -191,7 +192,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
     compile_seconds = time.perf_counter() - start
     device_kind, backend = mesh.devices.flat[0].device_kind, jax.default_backend()
     print(f"{config.model.name}, {run.total_steps} steps of batch {config.train.batch_size} "
-          f"({run.total_steps / run.steps_per_epoch:g} epochs), {config.train.precision}, "
+          f"({run.total_steps / run.steps_per_epoch:g} epochs), {checks.resolve_precision(config.train.precision)}, "
           f"tta={config.eval.tta}, {mesh.size} x {device_kind} ({backend} backend); "
           f"compile {compile_seconds:.2f} s", file=stream, flush=True)
 

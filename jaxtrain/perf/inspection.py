@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import models
+from jaxtrain.config import checks
 from jaxtrain.models.ops import onednn
 from jaxtrain.perf import benchmark, hlo, profile
 from jaxtrain.runtime import mesh as mesh_lib
@@ -185,7 +186,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     kernels = hlo.kernel_counts(text)
     return {
         "model": config.model.name, "batch_size": config.train.batch_size,
-        "precision": config.train.precision, "device_kind": device_kind, "devices": devices,
+        "precision": checks.resolve_precision(config.train.precision), "device_kind": device_kind, "devices": devices,
         "param_count": models.count_params(run.state.params),
         "compile_seconds": compile_seconds,
         "kernels_per_step": sum(kernels.values()), "kernels": dict(kernels.most_common()),

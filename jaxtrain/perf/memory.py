@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.config import checks
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.training import batches, checkpoint, prepare
 from jaxtrain.training import step as step_lib
@@ -107,7 +108,7 @@ def step_memory(config) -> dict:
     x, y = run.dataset.x_train, run.dataset.y_train
     result.update({
         "model": config.model.name, "batch_size": config.train.batch_size,
-        "image_shape": list(run.dataset.image_shape), "precision": config.train.precision,
+        "image_shape": list(run.dataset.image_shape), "precision": checks.resolve_precision(config.train.precision),
         "accumulate_steps": config.train.accumulate_steps, "remat": bool(config.model.remat),
         "fsdp": mesh_lib.fsdp_size(run.mesh), "devices": run.mesh.size,
         "device_kind": jax.devices()[0].device_kind,

@@ -2,6 +2,7 @@
 import flax
 import jax
 
+from jaxtrain.config import checks
 from jaxtrain.perf import memory
 from jaxtrain.run import session as session_lib
 from jaxtrain.runtime import mesh as mesh_lib
@@ -36,6 +37,10 @@ def summarize(session: session_lib.Session) -> dict:
                   report.epoch_means(records, run.steps_per_epoch).get("train_loss"))
     copies = len(run.runs) if run.runs else 1
     train_seconds, eval_seconds = session.train_seconds, session.eval_seconds
+    # What was trained, over every resume: the state's steps, which an early stop or a
+    # signal leaves short of the plan (whose length is planned_steps).
+    images = copies * session.step * config.train.batch_size  # all replicas'
+
     summary = {
         "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"],
@@ -50,10 +55,12 @@ def summarize(session: session_lib.Session) -> dict:
         "data_placement": run.placement,
         "input_wait_fraction": (session.wait_seconds / session.chunk_seconds
                                 if session.chunk_seconds else 0.0),
-        "images_per_second": (copies * run.total_steps * config.train.batch_size
-                              / max(train_seconds - eval_seconds, 1e-9)),  # all replicas'
-        "epochs": run.total_steps / run.steps_per_epoch,
-        "steps": run.total_steps,
+        "images": images,
+        "images_per_second": images / max(train_seconds - eval_seconds, 1e-9),
+        "epochs": session.step / run.steps_per_epoch,
+        "steps": session.step,
+        "planned_steps": run.total_steps,
+        "precision": checks.resolve_precision(config.train.precision),
         "resumed_from_step": session.start_step if session.resumed else None,
         "batch_size": config.train.batch_size,
         "param_count": prepare.param_count(state.params, run.runs),

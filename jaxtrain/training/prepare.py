@@ -111,7 +111,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     else:
         try:
             model = models.create_model(config.model, dataset.num_classes,
-                                        checks.PRECISIONS[config.train.precision],
+                                        checks.compute_dtype(config.train.precision),
                                         conv_impl=conv_impl)
         except ValueError as error:  # an unknown or unimportable model.name
             raise ConfigError(str(error)) from None
