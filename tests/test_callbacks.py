@@ -96,6 +96,29 @@ def test_early_stopping_stops_where_its_rule_says(mlp_reference, cifar_batches_d
         "params_sha256"]
 
 
+def test_the_rows_are_the_same_for_any_checkpoint_and_evaluation_cadence(
+        mlp_reference, cifar_batches_dir, tmp_path):
+    """The reference run (a row every 10 steps, an evaluation every 10) and the same run
+    with a checkpoint every 7 steps and an evaluation every 9, which cut its chunks
+    elsewhere: every training row is the same; the evaluations off the row grid are rows
+    of their own."""
+    config = mlp_config(cifar_batches_dir, checkpoint__every_steps=7, eval__every_steps=9)
+    loop.train_and_evaluate(config, str(tmp_path))
+    rows = report.read_metrics(str(tmp_path))
+
+    def training(rows):
+        return [{k: v for k, v in row.items() if k not in CLOCKS and not k.startswith("test_")}
+                for row in rows if report.is_train_row(row)]
+
+    assert training(rows) == training(mlp_reference)
+    assert len(training(rows)) == 20
+    own = [row for row in rows if not report.is_train_row(row)]
+    assert [row["step"] for row in own] == [s for s in range(9, 200, 9) if s % 10]
+    assert set(own[0]) == {"step", "epoch", "seconds", "test_loss", "test_accuracy"}
+    merged = [row["step"] for row in rows if report.is_train_row(row) and "test_loss" in row]
+    assert merged == [40, 80, 90, 120, 160, 180, 200]  # at epoch ends too (eval.every_epochs)
+
+
 def test_early_stopping_on_accuracy_and_train_metrics():
     stop = early_stopping.EarlyStopping(monitor="test_accuracy", patience=1)
     assert stop.mode == "max"
@@ -225,6 +248,12 @@ def test_stop_training_ends_the_run_cleanly(cifar_batches_dir, tmp_path):
     summary = json.loads((tmp_path / "run" / report.SUMMARY_FILE).read_text())
     assert summary["stopped_early"] == {"step": 20, "reason": "step 20 reached"}
     assert checkpoint.saved_steps(str(tmp_path / "run" / "checkpoints"))[-1] == 20
+    # What was trained, not what was planned: 20 steps of 50 images, 40 to an epoch.
+    assert (summary["steps"], summary["planned_steps"], summary["epochs"]) == (20, 40, 0.5)
+    assert summary["images"] == 20 * 50
+    assert summary["images_per_second"] == pytest.approx(
+        summary["images"] / summary["train_only_seconds"])
+    assert f"images/s={summary['images_per_second']:.0f}" in result.stdout
 
 
 def test_a_failing_callback_is_one_line_and_keeps_the_checkpoint(cifar_batches_dir, tmp_path):

@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import jaxtrain
 from configs import cifar_seed_cnn
 from jaxtrain.run import evaluate_checkpoint, loop
 from jaxtrain.runtime import report
+from jaxtrain.training import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +78,12 @@ def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
-        reference, cifar_batches_dir, tmp_path, damage, caplog):
+def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
+        reference, cifar_batches_dir, tmp_path, damage):
+    """A listed checkpoint that cannot be read is damage to report, not to skip: the run
+    stops naming it, the error and the older steps, and deletes nothing; resuming from an
+    older one is the user's choice (checkpoint.resume_step), which moves the newer ones
+    aside and ends where the uninterrupted run did."""
     _, ref = reference
     loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=30), str(tmp_path))
     newest = tmp_path / "checkpoints" / "30" / "state"
@@ -88,11 +94,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         else:
             path.unlink()
-    with caplog.at_level("WARNING"):
-        resumed = loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
-    assert "checkpoints/30 cannot be read" in caplog.text
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(jaxtrain.CheckpointError) as stopped:
+        loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    assert re.fullmatch(
+        rf"checkpoint {tmp_path}/checkpoints/30 cannot be read \(\w+: .+\); nothing was "
+        r"deleted; the older checkpoints on disk are steps 10, 20: "
+        r"--config.checkpoint.resume_step=20 resumes from the newest of them \(the newer "
+        r"ones are moved aside, not deleted\)", str(stopped.value)), str(stopped.value)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    resumed = loop.train_and_evaluate(small_config(cifar_batches_dir,
+                                                   checkpoint__resume_step=20), str(tmp_path))
     assert resumed["resumed_from_step"] == 20
     assert resumed["params_sha256"] == ref["params_sha256"]
+    assert (tmp_path / checkpoint.SET_ASIDE_DIR / "30" / "state").is_dir()
 
 
 def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, tmp_path):
@@ -372,9 +387,9 @@ def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
 
 
 def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset, tmp_path):
-    """SIGTERM while step 2 is evaluated (about 11 s of cifar_cnn with 6-view TTA at 64 px):
-    the run stops after the batch in hand instead of the whole evaluation, saves nothing
-    new and names the newest checkpoint (step 1's)."""
+    """SIGTERM while step 2 is evaluated (about 20 s of cifar_cnn in bfloat16 with 6-view TTA
+    at 64 px on a CPU, after a step of about 2 s): the run stops after the batch in hand
+    instead of the whole evaluation, and keeps the steps trained: step 2's checkpoint."""
     def up(x):
         return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
     npz = tmp_path / "cifar64.npz"
@@ -386,18 +401,22 @@ def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset
          "--config.data.name=arrays", f"--config.data.dir={npz}", "--config.train.num_steps=3",
          "--config.train.batch_size=4", "--config.eval.every_steps=2",
          "--config.eval.batch_size=10", "--config.eval.tta_fraction=1.0",
-         "--config.checkpoint.every_steps=1"], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    wait_for_step(workdir, 1, process)  # step 1's row: step 2 trains (~0.2 s), then evaluates
-    time.sleep(2)
+         "--config.train.chunk_steps=1", "--config.train.precision=bfloat16"], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(workdir, 1, process)  # step 1's row: step 2 trains, then evaluates
+    time.sleep(8)
+    sent = time.time()
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
+    assert time.time() - sent < 20  # a test batch, a checkpoint: seconds (measured: benchmarks/)
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        f"stopped: interrupted by SIGTERM while evaluating step 2; nothing new saved: the "
-        f"newest checkpoint is {workdir / 'checkpoints'}/1; run the same command again to "
-        "resume from it")
-    assert steps_saved(workdir) == [1] and not (workdir / "summary.json").exists()
+        f"stopped: interrupted by SIGTERM while evaluating step 2 (evaluated when the run "
+        f"resumes); checkpoint saved in {workdir / 'checkpoints'}/2. Run the same command again "
+        "to resume")
+    assert steps_saved(workdir) == [2] and not (workdir / "summary.json").exists()
+    rows = report.read_metrics(str(workdir))
+    assert [r["step"] for r in rows] == [1, 2] and not any("test_loss" in r for r in rows)
 
 
 def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batches_dir,
@@ -453,3 +472,17 @@ def test_early_stopping_restores_the_best_weights_as_keras_does(cifar_batches_di
         loop.train_and_evaluate(with_overrides(config, {"checkpoint__best_metric": ""}),
                                 str(tmp_path / "other"), callbacks=[
                                     EarlyStopping(restore_best_weights=True)])
+
+
+def test_a_resume_step_that_is_not_on_disk_names_those_that_are(reference, cifar_batches_dir,
+                                                                tmp_path):
+    workdir, _ = reference
+    import shutil
+    shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+    shutil.copy(workdir / "config.json", tmp_path / "config.json")
+    with pytest.raises(jaxtrain.CheckpointError, match=(
+            r"^config\.checkpoint\.resume_step=25: no such checkpoint in .*/checkpoints \(the "
+            r"steps on disk: 20, 30, 40\)$")):
+        loop.train_and_evaluate(small_config(cifar_batches_dir, checkpoint__resume_step=25,
+                                             train__num_steps=50), str(tmp_path))
+    assert steps_saved(tmp_path) == [20, 30, 40]

@@ -15,8 +15,9 @@ import pytest
 from jaxtrain import models
 from jaxtrain.config import defaults
 from jaxtrain.perf import hlo
-from jaxtrain.run import loop, start
+from jaxtrain.run import loop, projection, start
 from jaxtrain.run import plan as plan_lib
+from jaxtrain.run import rows as rows_lib
 from jaxtrain.runtime import phases, report
 from jaxtrain.training import chunks, optim, prepare, train_state
 from jaxtrain.training import step as step_lib
@@ -39,7 +40,7 @@ def test_chunks_end_at_epochs_checkpoints_evaluations_and_breaks_only():
 @pytest.mark.parametrize("total, per_epoch", [(20, 12500), (4680, 468), (25000, 12500),
                                               (243, 30), (97, 97), (10, 3)])
 def test_about_fifty_rows_a_run_ending_on_every_epoch(total, per_epoch):
-    on_grid = plan_lib.row_grid(0, per_epoch, total)
+    on_grid = rows_lib.row_grid(0, per_epoch, total)
     rows = [step for step in range(1, total + 1) if on_grid(step)]
     assert min(total, 40) <= len(rows) <= 70, len(rows)
     assert all(on_grid(epoch_end) for epoch_end in range(per_epoch, total + 1, per_epoch))
@@ -47,19 +48,34 @@ def test_about_fifty_rows_a_run_ending_on_every_epoch(total, per_epoch):
     assert gaps.max() <= 2 * max(gaps.min(), 1) + 1  # evenly spread, no slivers
 
 
-def test_an_explicit_interval_is_kept():
-    on_grid = plan_lib.row_grid(100, 468, 4680)
-    assert [s for s in range(1, 501) if on_grid(s)] == [100, 200, 300, 400, 500]
+def test_an_explicit_interval_is_kept_with_every_epoch_end_and_the_last_step():
+    on_grid = rows_lib.row_grid(100, 468, 4650)
+    assert [s for s in range(1, 501) if on_grid(s)] == [100, 200, 300, 400, 468, 500]
+    assert [s for s in range(4550, 4651) if on_grid(s)] == [4600, 4650]
 
 
 def test_rows_average_their_steps_and_count_skipped_ones():
-    per_step = {"loss": np.array([1.0, 3.0, np.nan, 5.0, np.nan]),
-                "accuracy": np.array([0.5, 0.5, 0.0, 1.0, 0.0])}
-    rows = plan_lib.metrics_rows(per_step, 10, [12, 14, 15])
+    window = rows_lib.RowWindow(10)
+    window.add({"loss": np.array([1.0, 3.0, np.nan]), "accuracy": np.array([0.5, 0.5, 0.0])})
+    window.add({"loss": np.array([5.0, np.nan]), "accuracy": np.array([1.0, 0.0])})
+    rows = [rows_lib.train_row(window.take(end), end) for end in (12, 14, 15)]
     assert rows[0] == {"step": 12, "train_loss": 2.0, "train_accuracy": 0.5}
     assert rows[1] == {"step": 14, "train_loss": 5.0, "train_accuracy": 1.0, "skipped_steps": 1}
     assert rows[2] == {"step": 15, "train_loss": None, "train_accuracy": None,
                        "skipped_steps": 1}
+    assert window.steps == 0 and window.after == 15
+
+
+def test_the_row_window_travels_through_a_checkpoint_as_json():
+    window = rows_lib.RowWindow(40, {"loss": np.array([[1.5, np.nan], [2.0, 3.0]]),
+                                     "accuracy": np.array([[0.5, 0.0], [0.25, 1.0]])})
+    saved = json.loads(json.dumps(window.to_json()))
+    assert saved == {"after": 40, "loss": [[1.5, None], [2.0, 3.0]],
+                     "accuracy": [[0.5, 0.0], [0.25, 1.0]]}
+    back = rows_lib.RowWindow.from_json(saved)
+    assert back.after == 40 and back.steps == 2
+    np.testing.assert_array_equal(back.per_step["loss"], window.per_step["loss"])
+    assert rows_lib.RowWindow.from_json({"after": 7}).steps == 0
 
 
 def test_eval_every_steps_adds_test_points():
@@ -272,12 +288,11 @@ def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
 
 def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
         cifar_batches_dir, tmp_path, monkeypatch, capsys):
-    """Past actions.LONG_RUN_SECONDS (here 0 s) one line says how long is left, after a
+    """Past projection.LONG_RUN_SECONDS (here 0 s) one line says how long is left, after a
     few timed steps of the first chunk (a CPU's convolutional chunk may take an hour),
     and on a CPU which recipes suit it."""
     from configs import cifar_seed_cnn
-    from jaxtrain.run import actions
-    monkeypatch.setattr(actions, "LONG_RUN_SECONDS", 0.0)
+    monkeypatch.setattr(projection, "LONG_RUN_SECONDS", 0.0)
     config = cifar_seed_cnn.get_config()
     config.data.dir, config.data.source = str(cifar_batches_dir), "files"
     config.train.num_steps, config.train.batch_size = 12, 50  # one chunk,
@@ -294,6 +309,49 @@ def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
 
 
 def test_durations_read_as_hours_and_minutes():
-    from jaxtrain.run import actions
-    assert [actions.duration(s) for s in (45 * 60, 3 * 3600 + 20 * 60, 601)] == [
+    assert [projection.duration(s) for s in (45 * 60, 3 * 3600 + 20 * 60, 601)] == [
         "45 min", "3 h 20 min", "10 min"]
+
+
+def test_the_progress_bar_moves_after_every_compiled_call(cifar_batches_dir, tmp_path,
+                                                          monkeypatch):
+    """A CPU's scanned chunk (an epoch here) runs in calls of train.chunk_seconds (tiny
+    here: a step each), and the progress bar is told after each, not at the chunk's end."""
+    from configs import cifar_seed_cnn
+    seen = []
+    monkeypatch.setattr(report.Reporter, "advance", lambda self, step: seen.append(step))
+    config = cifar_seed_cnn.get_config()
+    config.data.dir, config.data.source = str(cifar_batches_dir), "files"
+    config.model.name, config.model.hidden_sizes = "mlp", (16,)
+    config.train.num_steps, config.train.batch_size = 12, 500  # 4 steps an epoch
+    config.train.chunk_seconds = 1e-6
+    summary = loop.train_and_evaluate(config, str(tmp_path))
+    assert seen == list(range(1, 13)) and summary["steps"] == 12
+
+
+def test_a_chunk_past_the_pace_makes_the_rest_of_the_run_paced(cifar_batches_dir, tmp_path,
+                                                                monkeypatch, capsys):
+    """A GPU's way (its chunks whole until one takes longer than train.chunk_seconds),
+    here on the CPU: after the first chunk the paced program is compiled and every later
+    chunk runs in calls of the pace; the run ends where one that never paced does."""
+    from configs import cifar_seed_cnn
+    config = cifar_seed_cnn.get_config()
+    config.data.dir, config.data.source = str(cifar_batches_dir), "files"
+    config.model.name, config.model.hidden_sizes = "mlp", (16,)
+    config.train.num_steps, config.train.batch_size = 12, 500  # 4 steps an epoch
+    whole = loop.train_and_evaluate(dict_copy(config, chunk_seconds=0.0), str(tmp_path / "a"))
+    monkeypatch.setattr(start, "paced_from_the_start", lambda: False)
+    seen = []
+    monkeypatch.setattr(report.Reporter, "advance", lambda self, step: seen.append(step))
+    paced = loop.train_and_evaluate(dict_copy(config, chunk_seconds=1e-6), str(tmp_path / "b"))
+    out = capsys.readouterr().out
+    assert ("a chunk took " in out and ", over train.chunk_seconds=1e-06: from step 4 on, chunks "
+            "run in calls of about that long" in out), out
+    assert seen == [4, *range(5, 13)]  # the first chunk whole, then a call a step
+    assert paced["params_sha256"] == whole["params_sha256"]
+
+
+def dict_copy(config, **train):
+    copy = config.copy_and_resolve_references()
+    copy.train.update(train)
+    return copy

@@ -2,8 +2,11 @@
 SQLite MLflow store; W&B's offline run file), and neither imported when not asked for."""
 import glob
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +133,48 @@ def test_a_missing_tracker_package_is_one_line():
     with pytest.raises(Exception, match=r"config\.logging\.nosuch needs the "
                        r"no_such_tracker_package package: pip install 'jaxtrain\[nosuch\]'"):
         tracker.import_optional("no_such_tracker_package", "nosuch")
+
+
+class SignalAt(jaxtrain.Callback):
+    """SIGTERM to this process once a row reaches `step`, as a scheduler's preemption."""
+
+    def __init__(self, step):
+        self.step, self.sent = step, False
+
+    def on_rows(self, rows):
+        if rows[-1]["step"] >= self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class FailsAt(jaxtrain.Callback):
+    def on_rows(self, rows):
+        if rows[-1]["step"] >= 20:
+            raise ValueError("the disk is full")
+
+
+@pytest.mark.parametrize("ending", ["signal", "failure"])
+def test_a_run_ended_by_a_signal_or_a_failure_ends_killed_or_failed(ending, cifar_batches_dir,
+                                                                   tmp_path, monkeypatch):
+    """Both trackers' runs end with the run: MLflow's KILLED for a signal (a rerun resumes
+    it) and FAILED for a failure; W&B's with the process's exit status (128 + N, marked
+    preempting; 1)."""
+    import mlflow
+
+    assert threading.current_thread() is threading.main_thread()  # the signal's handler
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = short_config(cifar_batches_dir, logging__mlflow=uri, logging__wandb="jaxtrain-test")
+    ending_callback, error = ((SignalAt(20), jaxtrain.Interrupted) if ending == "signal"
+                              else (FailsAt(), jaxtrain.CallbackError))
+    with pytest.raises(error):
+        loop.train_and_evaluate(config, str(tmp_path / "run"), callbacks=[ending_callback])
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("jaxtrain").experiment_id])
+    assert run.info.status == ("KILLED" if ending == "signal" else "FAILED")
+    (path,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    records = wandb_records(path)
+    exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exits == [128 + signal.SIGTERM if ending == "signal" else 1]
+    preempting = [r for r in records if r.WhichOneof("record_type") == "preempting"]
+    assert bool(preempting) == (ending == "signal")

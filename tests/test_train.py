@@ -306,6 +306,44 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
                      result, reference)
 
 
+def test_a_paced_chunk_runs_in_calls_of_its_seconds_and_stops_between_them():
+    """train.chunk_seconds: one while-loop program for every chunk length, run in calls
+    sized by the time a step took; each step the scanned chunk's, bit for bit, and the
+    chunk stops after the call where progress() says so."""
+    model_config = default.get_config().model
+    model_config.name, model_config.hidden_sizes, model_config.batch_norm = "mlp", (32,), True
+    model = models.create_model(model_config, 10, jnp.float32)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment_kwargs=dict(flip=True, translate=1,
+                                                                pad_mode="reflect"))
+    key = jax.random.key(2)
+    initial = train_state.create_train_state(jax.random.key(0), model,
+                                             optax.sgd(0.05, momentum=0.9), (8, 8, 3))
+    whole = chunks_lib.compile_chunks("scan", initial, x, y, key, {4}, step_kwargs)
+    pace = chunks_lib.Pace(1e-9)  # every call one step
+    paced = chunks_lib.compile_chunks("scan", initial, x, y, key, {4}, step_kwargs, pace=pace,
+                                      paced=True)
+    assert len(paced.programs) == 1 and len(whole.programs) == 1
+    expected, expected_out = whole(jax.tree.map(jnp.copy, initial), key, 1, 0, 4)
+    calls = []
+    state, out = paced(jax.tree.map(jnp.copy, initial), key, 1, 0, 4,
+                       lambda done, metrics: calls.append(done) is None and False)
+    assert calls == [1, 2, 3, 4]
+    np.testing.assert_array_equal(out["per_step"]["loss"], expected_out["per_step"]["loss"])
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
+                 jax.device_get(expected.params))
+    pace.seconds = 1e9  # a whole chunk a call, once a step's time is known
+    calls.clear()
+    paced(jax.tree.map(jnp.copy, initial), key, 1, 0, 4, lambda done, m: calls.append(done))
+    assert calls == [4]
+    pace.seconds, pace.step_seconds = 1e-9, None
+    state, out = paced(jax.tree.map(jnp.copy, initial), key, 1, 0, 4, lambda done, m: done >= 2)
+    assert out["per_step"]["loss"].shape == (2,) and int(state.step) == 2
+
+
 @pytest.mark.parametrize("name", ["seed_cnn", "mlp"])
 def test_replicas_trained_together_equal_their_single_runs(name):
     """compile_chunks(replicas=True): three runs with a leading replica axis (each its own
@@ -334,20 +372,22 @@ def test_replicas_trained_together_equal_their_single_runs(name):
             state, summary = run_chunk(state, key, epoch, 2, 2)
         return state, summary
 
-    for kind in ("scan", "python"):
+    for kind, paced in (("scan", False), ("scan", True), ("python", False)):
+        pace = chunks_lib.Pace(60.0) if paced else None
         alone = [train_two_epochs(chunks_lib.compile_chunks(kind, s, x, y, k, {2}, step_kwargs),
                                   jax.tree.map(jnp.copy, s), k) for s, k in zip(singles, keys)]
         run_chunk = chunks_lib.compile_chunks(kind, together, x, y, stacked_keys, {2}, step_kwargs,
-                                              replicas=True)
+                                              replicas=True, pace=pace, paced=paced)
         state, summary = train_two_epochs(run_chunk, jax.tree.map(jnp.copy, together),
                                           stacked_keys)
-        assert summary["per_step"]["loss"].shape == (3, 2)
+        losses = summary["per_step"]["loss"]
+        assert losses.shape == (3, 2)
         for k, (single, single_summary) in enumerate(alone):
             replica = jax.tree.map(lambda leaf: leaf[k], (state.params, state.batch_stats))
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                          replica, (single.params, single.batch_stats))
-            np.testing.assert_allclose(summary["loss"][k], single_summary["loss"], rtol=1e-5)
-        assert not np.allclose(summary["loss"][0], summary["loss"][1])  # runs of their own
+            np.testing.assert_allclose(losses[k], single_summary["per_step"]["loss"], rtol=1e-5)
+        assert not np.allclose(losses[0], losses[1])  # runs of their own
 
 
 def test_a_skipped_step_uses_up_its_slot_of_the_schedule():

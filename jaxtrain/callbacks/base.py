@@ -1,8 +1,8 @@
 """Your own behaviour in a run: the Callback interface, StopTraining, EarlyStopping.
 
 A callback is an object with any of these methods, called on the host between
-compiled chunks (never inside them), after the run's own actions for that chunk
-(its rows logged, its evaluation done, its checkpoint saved), in this order:
+compiled chunks (never inside them), after the run's own work for that chunk (its
+rows logged, its evaluation done, its checkpoint saved), in this order:
 
     on_run_start(run)           run: RunInfo (config, workdir, steps, devices, history)
     on_rows(rows)               each chunk's metrics rows (what metrics.jsonl gets)
@@ -11,6 +11,10 @@ compiled chunks (never inside them), after the run's own actions for that chunk
                                 console's epoch row shows)
     on_checkpoint(step, path)   a checkpoint saved and on disk at `path`
     on_run_end(summary)         what summary.json holds
+    on_exception(error)         instead of on_run_end, when the run ends by an exception:
+                                jaxtrain.Interrupted for a signal (its checkpoint saved),
+                                any other for a failure (the trackers end their runs
+                                KILLED or FAILED here)
 
 Each row and evaluation reaches a callback exactly once, also across a kill and a
 resume: rows a killed run had already delivered are given in `run.history` when it
@@ -73,8 +77,12 @@ class Callback:
     def on_run_end(self, summary: dict) -> None:
         pass
 
+    def on_exception(self, error: BaseException) -> None:
+        pass
 
-HOOKS = ("on_run_start", "on_rows", "on_evaluation", "on_checkpoint", "on_run_end")
+
+HOOKS = ("on_run_start", "on_rows", "on_evaluation", "on_checkpoint", "on_run_end",
+         "on_exception")
 
 
 def overrides(callback, hook: str) -> bool:

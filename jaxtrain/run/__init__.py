@@ -1,3 +1,4 @@
-"""One training run from start to summary: the loop (loop.py) over a plan (plan.py), the
-actions each chunk's results go to (actions.py), the run's callbacks assembled
-(callbacks.py), its Session, resuming, and --mode=eval (evaluate_checkpoint.py)."""
+"""One training run from start to summary: the loop (loop.py) over a plan (plan.py), its
+start (start.py), rows (rows.py), the user's callbacks (callbacks.py), the --profile window
+and the time-left line (profiling.py, projection.py), its Session, resuming, the summary,
+and --mode=eval (evaluate_checkpoint.py)."""

@@ -1,12 +1,20 @@
-"""The run's callbacks assembled, as a trainer assembles them: config.callbacks' entries,
-the trackers config.logging names, then those passed from Python. The run knows all
-three; jaxtrain.callbacks holds only the callbacks themselves."""
+"""The run's callbacks assembled, as a trainer assembles them (config.callbacks' entries,
+the trackers config.logging names, then those passed from Python), and what the loop hands
+them (UserCallbacks). jaxtrain.callbacks holds only the callbacks themselves."""
 import importlib
 import inspect
+import os
+import sys
 
+import jax
+
+from jaxtrain.callbacks import base
 from jaxtrain.callbacks.trackers import mlflow as mlflow_tracker
 from jaxtrain.callbacks.trackers import wandb as wandb_tracker
 from jaxtrain.errors import ConfigError
+from jaxtrain.run import rows as rows_lib
+from jaxtrain.runtime import report
+from jaxtrain.training import checkpoint
 
 BUILT_IN = "jaxtrain.callbacks"  # where a callback named without a module is found
 
@@ -65,3 +73,116 @@ def trackers(logging_config) -> list:
     if logging_config.get("wandb"):
         made.append(wandb_tracker.WandbTracker(logging_config.wandb, logging_config.wandb_mode))
     return made
+
+
+class UserCallbacks:
+    """Hands the run's rows, evaluations, checkpoints and end to the user's callbacks:
+    each row and evaluation exactly once, also across a kill and resume (rows the file
+    held past the resumed step were delivered before the kill: they come as history,
+    not again). A StopTraining is kept as `stop_reason` (the first one); any other
+    exception stops the run as a CallbackError naming the callback."""
+
+    def __init__(self, session, callbacks: list):
+        self.session, self.callbacks = session, callbacks
+        self.delivered = set()  # (step, replica, 'train' or 'test') of the rows delivered
+        self.stop_reason = None
+        self.started = False
+
+    def call(self, hook: str, *args, step=None):
+        for callback in self.callbacks:
+            if not base.overrides(callback, hook):
+                continue
+            try:
+                getattr(callback, hook)(*args)
+            except base.StopTraining as stop:
+                if self.stop_reason is None:
+                    self.stop_reason = stop.reason
+            except Exception as error:
+                raise base.CallbackError(
+                    f"callback {describe(callback)}.{hook} failed at step "
+                    f"{self.session.step if step is None else step}: {type(error).__name__}: "
+                    f"{first_line(error)}; {self.kept()}") from error
+
+    def kept(self) -> str:
+        """Where the checkpoints are (the save of this step waited for, if one is under way)."""
+        manager = self.session.manager
+        try:
+            checkpoint.wait(manager)
+        except checkpoint.CheckpointError:
+            pass
+        saved = sorted(manager.all_steps())
+        return (f"the checkpoints are kept in {manager.directory} (newest: step {saved[-1]})"
+                if saved else "no checkpoint was saved yet")
+
+    def start(self) -> None:
+        s = self.session
+        history = list(s.reporter.previous_records)
+        self.delivered = {key for row in history for key in row_keys(row)}
+        run = base.RunInfo(
+            config=s.config, workdir=s.workdir, start_step=s.start_step,
+            total_steps=s.setup.total_steps, steps_per_epoch=s.setup.steps_per_epoch,
+            devices=jax.device_count(), process_index=jax.process_index(),
+            process_count=jax.process_count(), checkpoint_dir=s.manager.directory,
+            history=history)
+        self.started = True
+        self.call("on_run_start", run)
+
+    def deliver(self, rows: list, saved_step: int | None = None) -> None:
+        """A chunk's new rows (on_rows), the evaluations among them (on_evaluation) and
+        the checkpoint saved at its end (on_checkpoint, once it is on disk)."""
+        if not self.callbacks:
+            return
+        rows = [row for row in rows if not row_keys(row) <= self.delivered]
+        self.delivered.update(key for row in rows for key in row_keys(row))
+        if rows:
+            self.call("on_rows", [dict(row) for row in rows])
+        for step, metrics in base.evaluation_points(rows):
+            self.call("on_evaluation", step, self.with_epoch_means(step, metrics), step=step)
+        if saved_step is not None and any(base.overrides(c, "on_checkpoint")
+                                          for c in self.callbacks):
+            checkpoint.wait(self.session.manager)  # on disk before anyone is told
+            path = os.path.join(self.session.manager.directory, str(saved_step))
+            self.call("on_checkpoint", saved_step, path, step=saved_step)
+
+    def with_epoch_means(self, step: int, metrics: dict) -> dict:
+        """An evaluation's metrics with train_loss and train_accuracy the mean over its
+        epoch's steps up to `step`: the figures the console's epoch row shows (a metrics
+        row's own are the mean since the row before)."""
+        s = self.session
+        records = [row for row in s.reporter.records if row["step"] <= step]
+        records += [row for row in rows_lib.pending_rows(s.window, s.setup) if row["step"] == step]
+        spe = s.setup.steps_per_epoch
+        if "replica" in metrics:  # a replicated run: a list per metric, one per replica
+            means = [report.epoch_means(records, spe, r) for r in metrics["replica"]]
+            return dict(metrics, **{key: [m.get(key) for m in means]
+                                    for key in ("train_loss", "train_accuracy")})
+        return dict(metrics, **report.epoch_means(records, spe))
+
+    def run_end(self, summary: dict) -> None:
+        self.call("on_run_end", summary)
+
+    def failed(self, error: BaseException) -> None:
+        """on_exception(error): the run ends by `error` (a signal's Interrupted, a failure).
+        A callback failing here is said in one line; `error` goes on as it was."""
+        if not self.started:
+            return
+        for callback in self.callbacks:
+            if base.overrides(callback, "on_exception"):
+                try:
+                    callback.on_exception(error)
+                except Exception as failure:
+                    print(f"warning: callback {describe(callback)}.on_exception failed: "
+                          f"{type(failure).__name__}: {first_line(failure)}", file=sys.stderr,
+                          flush=True)
+
+
+def row_keys(row: dict) -> set:
+    """What a row reports: its training figures, its test figures, or both."""
+    kinds = ({"train"} if "train_loss" in row else set()) | (
+        {"test"} if "test_loss" in row else set())
+    return {(row["step"], row.get("replica"), kind) for kind in kinds}
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""

@@ -56,7 +56,8 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     try:
         restored = checkpoint.restore(
             manager, checkpoint.restore_target(run.state, prepare.state_sharding(run)),
-            run.data_key, step)
+            run.data_key, step, choose=lambda older: f"--checkpoint={older} evaluates the "
+            "newest of them")
     finally:
         manager.close()
     if restored is None:

@@ -26,7 +26,7 @@ def completed_summary(workdir: str, config) -> dict | None:
     train = config.train
     asked = (summary.get("steps") == train.num_steps if train.num_steps > 0
              else summary.get("epochs") == train.num_epochs)
-    if max(steps) != summary.get("steps") or not asked:
+    if max(steps) != summary.get("steps") or not asked or not reached_its_end(summary):
         return None
     if saved_recipe_changes(workdir, config):  # allowed to change: the checkpoint is loaded
         return None
@@ -40,14 +40,22 @@ def completed_summary(workdir: str, config) -> dict | None:
     return summary
 
 
+def reached_its_end(summary: dict) -> bool:
+    """Whether a summary.json is of a run that trained every step it planned (not one
+    stopped early); summaries from before planned_steps was kept count as such."""
+    return summary.get("steps") == summary.get("planned_steps", summary.get("steps"))
+
+
 def save(session, metrics=None) -> None:
-    """Starts saving a checkpoint of the session's state, with the stream's position when
-    streaming. A replicated run's records its replicas and their last test accuracies
-    (what jaxtrain.restore picks the best replica by). `metrics`: what checkpoint.best
-    ranks the step by."""
+    """Starts saving a checkpoint of the session's state, with the metrics of the steps
+    since the last row (rows.RowWindow) and the stream's position when streaming. A
+    replicated run's records its replicas and their last test accuracies (what
+    jaxtrain.restore picks the best replica by). `metrics`: what checkpoint.best ranks
+    the step by."""
     run = session.setup
     meta = checkpoint_meta(run, session.config.seed, session.state, session.train_seconds,
                            session.eval_seconds)
+    meta["rows"] = session.window.to_json()  # the steps since the last metrics row
     if run.runs:
         meta["replicas"] = [one._asdict() for one in run.runs]
         if session.test_metrics is not None:
@@ -111,9 +119,10 @@ def extension(workdir: str, config, changes: list) -> str | None:
         return None
     steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
     train = config.train
-    if not steps or max(steps) != summary.get("steps") or not (
-            train.num_steps > summary["steps"] if train.num_steps > 0
-            else train.num_epochs > summary.get("epochs", float("inf"))):
+    longer = (train.num_steps > summary["steps"] if train.num_steps > 0
+              else train.num_epochs > summary.get("epochs", float("inf")))
+    if not steps or max(steps) != summary.get("steps") or not reached_its_end(summary) \
+            or not longer:
         return None
     length = (f"{train.num_steps} steps" if train.num_steps > 0
               else f"{train.num_epochs} epochs")

@@ -1,7 +1,7 @@
 """A run's start: everything before its first chunk. The data and model built
 (training/prepare.py), the checkpoint restored, the input opened, the programs compiled
 (and, for jaxtrain.compare, run once untimed), the console's header printed; the
-Session the loop and its actions share (session.py) is what it returns."""
+Session the loop goes on with (session.py) is what it returns."""
 import dataclasses
 import os
 
@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import models
+from jaxtrain.config import checks
 from jaxtrain.run import callbacks as callbacks_lib
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import resume
+from jaxtrain.run import rows as rows_lib
 from jaxtrain.run import session as session_lib
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes, report, signals, supervise, xla_cache
@@ -33,10 +35,19 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     # the checkpoint fills them.
     resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
     run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
-    note = cpu_precision_note(config.train.precision, config.model.name)
+    note = precision_note(config.train.precision, config.model.name)
     if note and main_process:
         print(note, flush=True)
     streaming = run.placement == "stream"
+    if config.checkpoint.resume_step and resuming:
+        if main_process:
+            moved = checkpoint.set_aside_newer(workdir, config.checkpoint.resume_step)
+            if moved:
+                print(f"checkpoint.resume_step={config.checkpoint.resume_step}: moved the "
+                      f"newer checkpoints (steps {', '.join(map(str, moved))}) to "
+                      f"{os.path.join(workdir, checkpoint.SET_ASIDE_DIR)}; resuming from step "
+                      f"{config.checkpoint.resume_step}", flush=True)
+        processes.any_process(False)  # every process waits until they are moved
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
                                         stream=streaming,
                                         best=checkpoint.best_policy(config.checkpoint))
@@ -46,7 +57,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     target = (checkpoint.restore_target(run.state, prepare.state_sharding(run)) if resuming
               else run.state)
     restored = checkpoint.restore(manager, target, run.data_key)
-    if restored is None and resuming:  # no step Orbax recognises: start afresh after all
+    if restored is None and resuming:  # step folders that Orbax does not list: none whole
         run = prepare.setup(config, mesh, model=model)
     state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
     if meta.get("init_from"):  # what the first start loaded (a resumed run reads no weights)
@@ -69,6 +80,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
         print(f"--profile={profile_steps}: no step left to trace after the warm-up step "
               f"(the run ends at step {run.total_steps}); nothing traced", flush=True)
     cuts = finished_group_cuts(config, run)
+    pace = chunks.Pace(config.train.chunk_seconds) if config.train.chunk_seconds > 0 else None
+    paced = pace is not None and paced_from_the_start()
     plan = plan_lib.plan_chunks(
         run.total_steps, run.steps_per_epoch,
         (save_every, config.eval.every_steps, config.train.chunk_steps), start_step,
@@ -76,23 +89,30 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     stream, train_arrays = start_input(config, run, data_key, manager, meta, start_step)
     clock.lap("load")  # the copy to the devices, or the stream's start
     cache_before = xla_cache.counts()
-    run_chunk = compile_training(config, run, state, data_key, plan, stream, train_arrays, cuts)
+    run_chunk = compile_training(config, run, state, data_key, plan, stream, train_arrays, cuts,
+                                 pace, paced)
     eval_fn = prepare.compile_eval(config, run, state, eval_arrays)
     compile_seconds = clock.lap("compile", f"compiled the {'training and ' if plan else ''}"
                                 "evaluation programs in {seconds:.1f} s"
                                 + cache_note(cache_dir, cache_before))
     if warm_up and not streaming:
         run_programs_once(run, config.train.loop, run_chunk, eval_fn, state, data_key, plan,
-                          eval_arrays, cuts)
+                          eval_arrays, cuts, paced)
         clock.lap("warmup", "ran every compiled program once, untimed, in {seconds:.1f} s")
     if streaming and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
     clock.lap("load")
     signals.enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
 
+    # The steps since the last row before the checkpoint (a resumed run's next row
+    # covers them, as the uninterrupted run's did); checkpoints from before the window
+    # was kept start one at their step.
+    window = (rows_lib.RowWindow.from_json(meta["rows"]) if "rows" in meta
+              else rows_lib.RowWindow(start_step))
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
                                write=main_process, spread=bool(run.runs),
-                               ema=config.train.get("ema_decay") is not None)
+                               ema=config.train.get("ema_decay") is not None,
+                               rows_through=window.after)
     where = "host, streamed" if streaming else "devices"
     reporter.print_line(f"data on the {where}: {run.placement_reason}"
                         + (f"; {stream.workers} Grain workers" if streaming and stream.workers
@@ -107,27 +127,28 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     session = session_lib.Session(
         config=config, workdir=workdir, setup=run, manager=manager, state=state,
         data_key=data_key, start_step=start_step, resumed=restored is not None, plan=plan,
-        traced=traced, stream=stream, run_chunk=run_chunk, eval_fn=eval_fn,
-        eval_arrays=eval_arrays, clock=clock, reporter=reporter, cache_dir=cache_dir,
-        compile_seconds=compile_seconds, save_every=save_every, signal=None,
-        on_grid=plan_lib.row_grid(config.train.log_every_steps, run.steps_per_epoch,
+        traced=traced, stream=stream, run_chunk=run_chunk, pace=pace,
+        paced=paced or kind_of_loop(config, run) != "scan", eval_fn=eval_fn,
+        eval_arrays=eval_arrays, clock=clock, reporter=reporter, window=window,
+        cache_dir=cache_dir, compile_seconds=compile_seconds, save_every=save_every,
+        on_grid=rows_lib.row_grid(config.train.log_every_steps, run.steps_per_epoch,
                                   run.total_steps),
-        schedules=plan_lib.run_schedules(config, run),
+        schedules=rows_lib.run_schedules(config, run),
         train_seconds=meta.get("train_seconds", 0.0), eval_seconds=meta.get("eval_seconds", 0.0))
     return session, user_callbacks
 
 
 def run_programs_once(run: prepare.Setup, loop: str, run_chunk, eval_fn, state, data_key, plan,
-                      eval_arrays, cuts=None) -> None:
-    """Each compiled chunk (one step of a per-step loop) and the evaluation, run once on a
-    copy of `state` (the chunks donate it) with the results dropped: their first-run
-    costs are then paid before the clock starts. `cuts` (finished_group_cuts): each
-    phase's programs are run at a chunk of that phase. `loop`: config.train.loop."""
+                      eval_arrays, cuts=None, paced: bool = False) -> None:
+    """Each compiled chunk (one step of a per-step loop or a paced one) and the evaluation,
+    run once on a copy of `state` (the chunks donate it) with the results dropped: their
+    first-run costs are then paid before the clock starts. `cuts` (finished_group_cuts):
+    each phase's programs are run at a chunk of that phase. `loop`: config.train.loop."""
     kind = chunks.resolve_loop(loop, run.xla_convolutions)
     programs = {}  # (phase, length) -> the first planned chunk that runs that program
     for epoch, first_step, length in plan:
         phase = step.constant_at(cuts or {}, epoch * run.steps_per_epoch + first_step)
-        length = length if kind == "scan" else 1
+        length = length if kind == "scan" and not paced else 1
         programs.setdefault((phase, length), (epoch, first_step, length))
     for epoch, first_step, length in sorted(programs.values()):
         jax.block_until_ready(run_chunk(jax.tree.map(jnp.copy, state), data_key, epoch,
@@ -149,12 +170,27 @@ def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start
     return stream, None
 
 
+def paced_from_the_start() -> bool:
+    """Whether scanned chunks run in calls of train.chunk_seconds from the first step: on a
+    CPU, where an epoch's chunk can take minutes; elsewhere once a chunk has taken longer
+    (loop.pace_from_now). Only a single process: the others would cut elsewhere."""
+    return jax.default_backend() == "cpu" and jax.process_count() == 1
+
+
+def kind_of_loop(config, run: prepare.Setup) -> str:
+    """'scan', 'python' (a call per step) or 'stream' (a call per streamed batch)."""
+    if run.placement == "stream":
+        return "stream"
+    return chunks.resolve_loop(config.train.loop, run.xla_convolutions)
+
+
 def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, train_arrays,
-                     cuts=None):
+                     cuts=None, pace=None, paced: bool = False):
     """The training steps compiled ahead of time: run_chunk (chunks.compile_chunks), or None
     when no step is left (a resumed finished run compiles evaluation alone). `cuts`
     (finished_group_cuts): the chunks after each cut are programs of their own, which
-    compute no gradient for the parameters held constant there (chunks.phased_chunks)."""
+    compute no gradient for the parameters held constant there (chunks.phased_chunks).
+    `pace`, `paced`: scanned chunks cut by time (chunks.ScannedChunks)."""
     if not plan:
         return None
     step_kwargs, replicated = prepare.step_arguments(config, run), mesh_lib.replicated(run.mesh)
@@ -167,7 +203,8 @@ def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, 
             return chunks.compile_stream_chunks(state, stream, data_key,
                                                 len(run.dataset.x_train), kwargs, out_sharding)
         return chunks.compile_chunks(kind, state, *train_arrays, data_key, lengths, kwargs,
-                                     out_sharding, replicas=bool(run.runs))
+                                     out_sharding, replicas=bool(run.runs), pace=pace,
+                                     paced=paced)
     return chunks.phased_chunks(plan, run.steps_per_epoch, cuts or {}, compile_phase)
 
 
@@ -191,12 +228,20 @@ def cache_note(cache_dir: str | None, before: dict) -> str:
     return f" ({hits} of {compiled} from the persistent cache in {cache_dir})"
 
 
-def cpu_precision_note(precision: str, model_name: str) -> str | None:
-    """One line for a bfloat16 run of a convolutional model on a CPU, which computes
-    bfloat16 convolutions many times slower than float32 (BENCHMARKS.md); None elsewhere."""
+def precision_note(precision: str, model_name: str) -> str | None:
+    """train.precision in one console line: what 'auto' chose here, or, for bfloat16
+    asked of a convolutional model on a CPU (whose bfloat16 convolutions run many times
+    slower than float32: BENCHMARKS.md), how to train faster; None for an explicit
+    choice that needs no word."""
+    if precision == "auto":
+        chosen = checks.resolve_precision(precision)
+        why = ("a CPU computes bfloat16 convolutions and matrix products slower than float32"
+               if chosen == "float32" else f"{jax.default_backend().upper()} computes it fast")
+        return (f"train.precision='auto': {chosen} on {jax.devices()[0].device_kind} ({why}; "
+                "--config.train.precision=float32 or bfloat16 chooses)")
     if precision != "bfloat16" or jax.default_backend() != "cpu" \
             or not models.is_convolutional(model_name):
         return None
     return ("note: train.precision='bfloat16' on a CPU: its convolutions run about 20x slower "
             "than in float32 here (the recipe is for GPUs); --config.train.precision=float32 "
-            "trains this model much faster on this machine")
+            "(or 'auto') trains this model much faster on this machine")

@@ -93,11 +93,14 @@ class Reporter:
     """
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, stream=None,
-                 write: bool = True, spread: bool = False, ema: bool = False):
+                 write: bool = True, spread: bool = False, ema: bool = False,
+                 rows_through: int | None = None):
         """start_step > 0 continues a resumed run: records up to it are kept, later ones
-        (written after the checkpoint the run resumed from) are dropped. spread: the
-        console rows are (mean, std) over replicas. ema: the table has the averaged
-        weights' test columns too (train.ema_decay)."""
+        (written after the checkpoint the run resumed from) are dropped, and so are
+        training rows after `rows_through` (the last row the checkpoint's window
+        follows: a row where an earlier run stopped, whose steps the next row covers
+        again). spread: the console rows are (mean, std) over replicas. ema: the table
+        has the averaged weights' test columns too (train.ema_decay)."""
         self.columns = table_columns(spread, ema)
         tensorboardX = import_tensorboardx()
         self.workdir = workdir
@@ -108,17 +111,25 @@ class Reporter:
         # run logged them after its last checkpoint; this run logs them again).
         self.previous_records: list[dict] = (read_metrics(workdir) if start_step > 0
                                              and os.path.exists(path) else [])
-        self.records = [r for r in self.previous_records if r["step"] <= start_step]
+        through = start_step if rows_through is None else rows_through
+        self.records = [r for r in self.previous_records if r["step"] <= start_step
+                        and not (is_train_row(r) and r["step"] > through)]
         if not write:
             return
         os.makedirs(workdir, exist_ok=True)
         self._metrics = open(path, "w")
         for record in self.records:
             self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
         self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
         # tqdm hides itself when stderr is not a terminal (disable=None).
         self._progress = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
                                    disable=None, leave=False, dynamic_ncols=True)
+
+    def advance(self, step: int) -> None:
+        """The progress bar at `step` (every compiled call reports its steps)."""
+        if self.write and step > self._progress.n:
+            self._progress.update(step - self._progress.n)
 
     def evaluation_progress(self, batches: int):
         """A progress bar over an evaluation's batches (a callable taking how many were
@@ -159,7 +170,6 @@ class Reporter:
                     and math.isfinite(value)):
                 self._tensorboard.add_scalar(key + suffix, value, record["step"])
         self._tensorboard.flush()
-        self._progress.update(record["step"] - self._progress.n)
 
     def close(self) -> None:
         if not self.write:
@@ -239,18 +249,24 @@ class Reporter:
                     f"images/s={summary['images_per_second']:.0f}  -> {self.workdir}")
 
 
+def is_train_row(row: dict) -> bool:
+    """A training row (an evaluation's row of its own has test metrics alone)."""
+    return "train_loss" in row
+
+
 def epoch_means(records: list, steps_per_epoch: int, replica: int | None = None) -> dict:
-    """Training loss and accuracy over the last epoch the rows reach (or its steps so far):
-    the rows' means weighted by their steps (of one replica's rows, for a replicated
-    run). The console's epoch rows and summary.json's train_loss; from the rows, so a
-    resumed run gets the uninterrupted run's figures."""
+    """Training loss and accuracy over the last epoch the training rows reach (or its
+    steps so far): the rows' means weighted by their steps (of one replica's rows, for a
+    replicated run). The console's epoch rows and summary.json's train_loss; from the
+    rows, so a resumed run gets the uninterrupted run's figures."""
+    records = [row for row in records if is_train_row(row) and row.get("replica") == replica]
     if not records:
         return {}
     last = records[-1]["step"]
     epoch_start = (last - 1) // steps_per_epoch * steps_per_epoch
     sums, previous = {"train_loss": 0.0, "train_accuracy": 0.0, "steps": 0}, epoch_start
     epoch_rows = itertools.takewhile(lambda row: row["step"] > epoch_start, reversed(records))
-    for row in reversed([row for row in epoch_rows if row.get("replica") == replica]):
+    for row in reversed(list(epoch_rows)):
         steps = row["step"] - previous - row.get("skipped_steps", 0)
         previous = row["step"]
         if row.get("train_loss") is None or steps <= 0:

@@ -8,16 +8,18 @@ from jaxtrain.errors import TrainingError
 
 
 class Interrupted(TrainingError):
-    """SIGTERM or SIGINT stopped the run: during training after a checkpoint was saved
-    (step), or in another phase (while loading data, compiling, ...)."""
+    """SIGTERM or SIGINT stopped the run: during training after a checkpoint of `step` was
+    saved (in `phase`, if given: e.g. while evaluating it), or in a phase before anything
+    could be saved (loading data, compiling, ...)."""
 
     def __init__(self, signum: int, step: int | None = None, directory: str | None = None,
                  phase: str | None = None):
         self.signum, self.step = signum, step
         name = signal.Signals(signum).name
         if step is not None:
-            message = (f"interrupted by {name} at step {step}; checkpoint saved in "
-                       f"{directory}/{step}. Run the same command again to resume")
+            where = f"while {phase}" if phase else f"at step {step}"
+            message = (f"interrupted by {name} {where}; checkpoint saved in {directory}/{step}."
+                       " Run the same command again to resume")
         else:
             message = f"interrupted by {name} while {phase or 'starting'}"
         super().__init__(message)

@@ -182,40 +182,76 @@ def check_compatible(manager, step: int, target: dict) -> None:
                               f"model: this model has no {next(iter(saved_leaves))!r}")
 
 
-def restore(manager, state, rng, step: int | None = None):
-    """Restores the given step, or the newest readable one, into `state`'s structure.
+# What Orbax and TensorStore raise for a checkpoint whose files are damaged or missing
+# (truncated: ValueError from TensorStore's decoding; deleted: FileNotFoundError).
+DAMAGE = (OSError, ValueError, KeyError)
 
-    A damaged newest checkpoint (truncated or missing files) is skipped with a
-    warning in favour of the one before it. Returns (state, rng, meta), or None
-    when there is no checkpoint at all. A checkpoint of a different model stops
-    with CheckpointError before anything is restored.
+
+def resume_from(step: int) -> str:
+    return (f"--config.checkpoint.resume_step={step} resumes from the newest of them (the "
+            "newer ones are moved aside, not deleted)")
+
+
+def restore(manager, state, rng, step: int | None = None, choose=resume_from):
+    """Restores checkpoint `step` (default: the newest) into `state`'s structure.
+
+    Returns (state, rng, meta), or None when there is no checkpoint at all. A checkpoint
+    of a different model, or one that cannot be read, stops with CheckpointError before
+    anything is restored: one that cannot be read names the older steps on disk and
+    choose(the newest of them), how to take it instead; nothing is skipped or deleted.
     """
-    steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+    steps = sorted(manager.all_steps())
+    if not steps:
+        return None
+    step = steps[-1] if step is None else step
     target = state_tree(state, rng)
-    for candidate in steps:
-        try:
-            check_compatible(manager, candidate, target)
-            restored = manager.restore(candidate, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        except CheckpointError:
-            raise
-        except Exception as error:  # Orbax/TensorStore raise many types for damaged files
-            if step is not None:
-                raise CheckpointError(f"checkpoint {manager.directory}/{candidate} cannot be "
-                                      f"read: {error}") from error
-            logging.warning("checkpoint %s/%s cannot be read (%s: %s); falling back to an "
-                            "older one", manager.directory, candidate, type(error).__name__,
-                            error)
-            continue
-        tree = restored["state"]
-        state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
-                              opt_state=tree["opt_state"], step=tree["step"],
-                              ema=tree.get("ema"))
-        return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
-    if steps:
-        raise CheckpointError(f"no readable checkpoint in {manager.directory} "
-                              f"(tried steps {steps})")
-    return None
+    try:
+        check_compatible(manager, step, target)
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    except DAMAGE as error:
+        older = [s for s in steps if s < step]
+        choice = (f"the older checkpoints on disk are steps {', '.join(map(str, older))}: "
+                  f"{choose(older[-1])}" if older else "no older checkpoint is on disk")
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read "
+                              f"({type(error).__name__}: {first_line(error)}); nothing was "
+                              f"deleted; {choice}") from error
+    tree = restored["state"]
+    state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
+                          opt_state=tree["opt_state"], step=tree["step"], ema=tree.get("ema"))
+    return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+SET_ASIDE_DIR = "checkpoints-set-aside"  # WORKDIR/checkpoints-set-aside/<step>
+
+
+def set_aside_newer(workdir: str, step: int) -> list[int]:
+    """checkpoint.resume_step=`step`: moves the checkpoints newer than it out of the
+    run's checkpoint folder into WORKDIR/checkpoints-set-aside/ (nothing is deleted), so
+    that the run resumes from `step` and its later saves cannot collide with them.
+    Returns the steps moved; a step that is not on disk is a CheckpointError naming those
+    that are."""
+    directory = checkpoint_dir(workdir)
+    steps = saved_steps(directory)
+    if step not in steps:
+        raise CheckpointError(f"config.checkpoint.resume_step={step}: no such checkpoint in "
+                              f"{directory} (the steps on disk: "
+                              f"{', '.join(map(str, steps)) or 'none'})")
+    newer = [s for s in steps if s > step]
+    aside = os.path.join(os.path.dirname(directory), SET_ASIDE_DIR)
+    for moved in newer:
+        os.makedirs(aside, exist_ok=True)
+        target = os.path.join(aside, str(moved))
+        if os.path.exists(target):
+            raise CheckpointError(f"cannot set checkpoint {directory}/{moved} aside: "
+                                  f"{target} exists (move or delete it)")
+        os.rename(os.path.join(directory, str(moved)), target)
+    return newer
 
 
 def restore_input(manager, step: int, iterator) -> None:

@@ -157,7 +157,11 @@ def compile_evaluation(state, x_batches, y_batches, valid_batches, *, mean, std,
 
     def evaluate_batches(state, x_batches, y_batches, valid_batches, should_stop=None,
                          progress=None):
-        def done_one():
+        def done_one(parts):
+            # One batch in flight: the device stays busy, and the progress bar and a stop
+            # wait for the batch before it (dispatch would otherwise run through them all).
+            if len(parts) > 1 and (progress is not None or should_stop is not None):
+                jax.block_until_ready(parts[-2])
             if progress is not None:
                 progress(1)
             if should_stop is not None and should_stop():
@@ -165,7 +169,7 @@ def compile_evaluation(state, x_batches, y_batches, valid_batches, *, mean, std,
         parts = []
         for i in range(x_batches.shape[0]):
             parts.append(batch_fn(state, x_batches[i]))
-            done_one()
+            done_one(parts)
         logits = stack(parts)
         if partial_tta:
             picked = pick_fn(logits, valid_batches)
@@ -173,7 +177,7 @@ def compile_evaluation(state, x_batches, y_batches, valid_batches, *, mean, std,
             parts = []
             for j in range(images.shape[axis]):
                 parts.append(tta_fn(state, images[:, j] if replicas else images[j]))
-                done_one()
+                done_one(parts)
             logits = merge_fn(logits, picked, stack(parts))
         return metrics_fn(logits, y_batches, valid_batches)
     evaluate_batches.batches = x_batches.shape[0] + (  # the calls progress() counts

@@ -66,6 +66,9 @@ class MLflowTracker(tracker.Tracker):
         self.log_model(workdir, summary["steps"])
         self.client.set_terminated(self.run_id, "FINISHED")
 
+    def stop(self, signum):
+        self.client.set_terminated(self.run_id, "KILLED" if signum else "FAILED")
+
     def log_model(self, workdir: str, step: int) -> None:
         """model/config.json and model/checkpoints/STEP: the run's final weights as a
         workdir of their own (jaxtrain.restore, --mode=eval, predict and export take it)."""

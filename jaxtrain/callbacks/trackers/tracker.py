@@ -3,10 +3,10 @@
 (pip install 'jaxtrain[mlflow]' or 'jaxtrain[wandb]'), and logs from process 0 alone.
 
 Both log the flattened config as parameters, every metrics row at its step, and the
-summary at the end; MLflow also keeps summary.json and curves.png as artifacts. A
-resumed run goes on logging into the same tracker run (its id is kept in
-WORKDIR/tracking.json), and rows delivered before a kill are not logged twice
-(callbacks.py's exactly-once rule)."""
+summary at the end; MLflow also keeps summary.json and curves.png as artifacts. A run
+stopped by a signal ends as killed, one that fails as failed. A resumed run goes on
+logging into the same tracker run (its id is kept in WORKDIR/tracking.json), and rows
+delivered before a kill are not logged twice (callbacks.py's exactly-once rule)."""
 import json
 import math
 import os
@@ -81,3 +81,9 @@ class Tracker(Callback):
     def on_run_end(self, summary):
         if self.active:
             self.end(summary)
+
+    def on_exception(self, error):
+        """The run ended by a signal (jaxtrain.Interrupted: its run is KILLED, and a rerun
+        resumes it) or a failure (FAILED)."""
+        if self.active:
+            self.stop(getattr(error, "signum", None))

@@ -2,7 +2,6 @@
 wandb is imported only when the key is set (pip install 'jaxtrain[wandb]')."""
 import os
 
-pass
 from jaxtrain.callbacks.trackers import tracker
 
 
@@ -30,3 +29,9 @@ class WandbTracker(tracker.Tracker):
     def end(self, summary):
         self.run.summary.update(tracker.summary_metrics(summary))
         self.run.finish()
+
+    def stop(self, signum):
+        """A signal: preempted, with the process's exit status (128 + N); else status 1."""
+        if signum:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=128 + signum if signum else 1)
