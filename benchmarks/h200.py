@@ -605,7 +605,7 @@ def preflight() -> dict:
         name for text in XLA_SETTINGS.values() for name, _ in xla_flags.parse(text))
     config = cifar_speedrun.get_config()
     checks.check_config(config)
-    model = models.create_model(config.model, 10, checks.PRECISIONS[config.train.precision])
+    model = models.create_model(config.model, 10, checks.compute_dtype(config.train.precision))
     params = prepare.abstract_init(model, config.model, (32, 32, 3))["params"]
     tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 100))
     opt_state = jax.eval_shape(tx.init, params)

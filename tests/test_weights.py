@@ -518,20 +518,25 @@ def test_the_finetune_recipe_offline_says_how_to_get_the_weights(cifar_jpeg_fold
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_the_finetune_recipe_on_a_cpu_says_bfloat16_is_slow_there(cifar_jpeg_folder, tmp_path):
-    """configs/finetune.py trains in bfloat16, many times slower than float32 on a CPU:
-    one line says so and names the flag (float32, or a model without convolutions: none)."""
+def test_bfloat16_asked_of_a_convolutional_model_on_a_cpu_is_said_to_be_slow(cifar_jpeg_folder,
+                                                                           tmp_path):
+    """configs/finetune.py's train.precision='auto' is float32 on a CPU, said in one line;
+    bfloat16 asked for is honoured, and one line says it is many times slower there and
+    names the flag (float32, or a model without convolutions: no line)."""
     from jaxtrain.run import start
     done = finetune(cifar_jpeg_folder, tmp_path / "bf16", "--config.model.name=resnet18",
                     "--config.model.init_from=", "--config.data.image_size=32",
                     "--config.train.num_steps=1", "--config.train.batch_size=16",
-                    "--config.eval.tta=none")
+                    "--config.eval.tta=none", "--config.train.precision=bfloat16")
     assert done.returncode == 0, done.stderr[-2000:]
     notes = [line for line in done.stdout.splitlines() if "train.precision='bfloat16'" in line]
     assert len(notes) == 1 and "--config.train.precision=float32" in notes[0], done.stdout
-    assert start.cpu_precision_note("float32", "resnet18") is None
-    assert start.cpu_precision_note("bfloat16", "mlp") is None
-    assert start.cpu_precision_note("bfloat16", "resnet18") == notes[0]
+    assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["precision"] == "bfloat16"
+    assert start.precision_note("float32", "resnet18") is None
+    assert start.precision_note("bfloat16", "mlp") is None
+    assert start.precision_note("bfloat16", "resnet18") == notes[0]
+    assert start.precision_note("auto", "resnet18").startswith(
+        "train.precision='auto': float32 on cpu (")
 
 
 def test_weights_named_for_another_model_say_which_key_to_add(cifar_jpeg_folder, tmp_path):
