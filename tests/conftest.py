@@ -4,7 +4,9 @@ The shared data lives beside the repository (../shared/data); it stores
 CIFAR-10 as JPEGs (see its README). Decoding only the first few thousand
 images keeps every fixture cheap (well under a second each).
 """
+import importlib
 import io
+import os
 import pickle
 import tarfile
 from pathlib import Path
@@ -116,6 +118,26 @@ def no_internet_downloads():
     os.environ.setdefault('JAXTRAIN_DOWNLOAD_MIRROR', 'http://127.0.0.1:9/')
 
 
+IN_CI = os.environ.get('CI', '').lower() in ('true', '1')
+
+
+def missing(reason):
+    """What a test needs is not here (data, a build, an optional package): outside CI the
+    test is skipped with the reason; under CI=true it fails with that one line, since a CI
+    machine that tests less must not go green. Callable in a test, a fixture or at module level."""
+    if IN_CI:
+        pytest.fail(f'CI=true and {reason}', pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name, install):
+    """The module `name`, or missing() saying how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        missing(f'{name} cannot be imported ({error}): {install}')
+
+
 HOW_TO_GET_DATA = ('no CIFAR-10 test data: put shared/data (its cifar10_jpeg.npz) beside the '
                    'checkout as ../shared/data, set $JAXTRAIN_DATA_DIR to a folder holding '
                    'cifar-10-batches-py, or run `python -m jaxtrain.data download cifar10` '
@@ -125,9 +147,9 @@ HOW_TO_GET_DATA = ('no CIFAR-10 test data: put shared/data (its cifar10_jpeg.npz
 @pytest.fixture(scope='session')
 def shared_data_dir():
     """../shared/data beside the repository (the JPEG copy); without it the tests that
-    need those exact files are skipped, saying how to get the data."""
+    need those exact files are skipped (failed under CI=true), saying how to get the data."""
     if not (SHARED_DATA / NPZ_NAME).is_file():
-        pytest.skip(HOW_TO_GET_DATA)
+        missing(HOW_TO_GET_DATA)
     return SHARED_DATA
 
 
@@ -136,7 +158,7 @@ def cifar_subset():
     """First 2000 train / 500 test real CIFAR-10 images as numpy arrays: the JPEG copy in
     ../shared/data, else a CIFAR-10 in $JAXTRAIN_DATA_DIR or the cache (where `python -m
     jaxtrain.data download cifar10` puts it), else every test that needs them is skipped
-    with one line saying how to provide it."""
+    (failed under CI=true) with one line saying how to provide it."""
     npz = SHARED_DATA / NPZ_NAME
     if npz.is_file():
         x_train, y_train = decode_jpegs(npz, 'train', N_TRAIN)
@@ -149,7 +171,7 @@ def cifar_subset():
     try:
         cached = data.load('cifar10', 'files', data.CACHE_DIR)
     except data.DataError:
-        pytest.skip(HOW_TO_GET_DATA)
+        missing(HOW_TO_GET_DATA)
     return {'x_train': cached.x_train[:N_TRAIN], 'y_train': cached.y_train[:N_TRAIN],
             'x_test': cached.x_test[:N_TEST], 'y_test': cached.y_test[:N_TEST],
             'class_names': cached.class_names}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from conftest import missing
 from PIL import Image
 
 from jaxtrain import data
@@ -320,7 +321,7 @@ def test_tfds_without_tensorflow_says_how_to_install_it(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, 'tensorflow', None)  # import tensorflow fails
     if importlib.util.find_spec('tensorflow_datasets') is None:
-        pytest.skip('tensorflow-datasets is not installed')
+        missing("tensorflow-datasets is not installed (pip install -e '.[tfds]')")
     with pytest.raises(DataError) as e:
         data.load_tfds('cifar10')
     assert str(e.value).startswith('tfds:cifar10: tensorflow is not installed, '
@@ -658,9 +659,10 @@ def test_tfds_labels_out_of_range_are_refused(fake_tfds):
         data.load_tfds('cifar10', download=False)
 
 
-def test_without_cifar10_the_tests_are_skipped_with_the_ways_to_provide_it(tmp_path):
+def test_without_cifar10_tests_skip_outside_ci_and_fail_under_ci(tmp_path):
     """A checkout without ../shared/data, an empty cache and no $JAXTRAIN_DATA_DIR: the
-    tests that need CIFAR-10 skip with one line naming all three ways to provide it."""
+    tests that need CIFAR-10 skip with one line naming all three ways to provide it, and
+    under CI=true the same line is a failure, so a CI machine without the data is red."""
     import os
     import shutil
     import subprocess
@@ -672,13 +674,22 @@ def test_without_cifar10_the_tests_are_skipped_with_the_ways_to_provide_it(tmp_p
     (checkout / "test_needs_data.py").write_text(
         "def test_it(cifar_subset):\n    assert False, 'not skipped'\n")
     repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "JAXTRAIN_DATA_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXTRAIN_DATA_DIR", "CI")}
     env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(repo))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p",
-                             "no:cacheprovider", str(checkout)], cwd=checkout, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "1 skipped" in result.stdout, result.stdout[-2000:]
-    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert len(skipped) == 1
-    for way in ("../shared/data", "$JAXTRAIN_DATA_DIR", "python -m jaxtrain.data download"):
-        assert way in skipped[0], skipped[0]
+    ways = ("../shared/data", "$JAXTRAIN_DATA_DIR", "python -m jaxtrain.data download")
+    for ci in ("", "true"):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rsE", "-p",
+                                 "no:cacheprovider", str(checkout)], cwd=checkout,
+                                env=dict(env, CI=ci), capture_output=True, text=True,
+                                timeout=300)
+        expected, prefix = ((1, "ERROR") if ci else (0, "SKIPPED"))
+        assert result.returncode == expected, result.stdout[-2000:]
+        assert ("1 error" if ci else "1 skipped") in result.stdout, result.stdout[-2000:]
+        said = [line for line in result.stdout.splitlines() if line.startswith(prefix)]
+        assert len(said) == 1, result.stdout[-2000:]
+        assert "not skipped" not in result.stdout
+        for way in ways:
+            assert way in said[0], said[0]
+        if ci:
+            assert "CI=true and no CIFAR-10 test data" in said[0], said[0]
+            assert "Traceback" not in result.stdout, result.stdout[-2000:]

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from conftest import require_module
 
 import jaxtrain
 from jaxtrain import models
@@ -19,8 +20,8 @@ from jaxtrain.inference import exporters
 from jaxtrain.run import loop
 
 REPO = Path(__file__).resolve().parents[1]
-ort = pytest.importorskip("onnxruntime")
-pytest.importorskip("jax2onnx")
+ort = require_module("onnxruntime", "pip install -e '.[export]'")
+require_module("jax2onnx", "pip install -e '.[export]'")
 
 PROBABILITY_ATOL = 1e-4  # float32 throughout
 N_IMAGES = 37  # an odd batch: the dynamic batch dimension is not a multiple of anything

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from conftest import missing
 
 from jaxtrain import models
 from jaxtrain.config import checks, defaults
@@ -19,9 +20,9 @@ from jaxtrain.models.ops import onednn
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not onednn.available()[0],
-                                reason=f"oneDNN's convolutions unavailable: "
-                                       f"{onednn.available()[1]} (pip install -e '.[cpu]')")
+if not onednn.available()[0]:
+    missing(f"oneDNN's convolutions are unavailable: {onednn.available()[1]} "
+            f"(pip install -e '.[cpu]', and g++)")
 
 
 def relative_error(got, want):

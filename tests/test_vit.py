@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import require_module
 
 from jaxtrain import models
 from jaxtrain.baselines import torch_models
 from jaxtrain.config import defaults
 from jaxtrain.models import vit
 
-timm = pytest.importorskip("timm")
+timm = require_module("timm", "pip install -e '.[weights]'")
 
 TIMM_NAMES = {"vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224",
               "vit_base": "vit_base_patch16_224"}

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import require_module
 
 from jaxtrain.config.defaults import get_config, param_group
 from jaxtrain.training import checkpoint, prepare, step
@@ -19,8 +20,8 @@ from jaxtrain.training.optim import param_path
 from jaxtrain.weights import readers
 
 REPO = Path(__file__).resolve().parents[1]
-torch = pytest.importorskip("torch")
-torchvision = pytest.importorskip("torchvision")
+torch = require_module("torch", "pip install -e '.[weights]'")
+torchvision = require_module("torchvision", "pip install -e '.[weights]'")
 
 
 def upscaled(images, factor=2):
