@@ -42,6 +42,7 @@ def run(module_args, env=None):
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_a_benchmark_run_is_the_run_main_py_makes(cifar_batches_dir, tmp_path):
     """Same config and seed: the one-program run ends where `python main.py` ends."""
     out = io.StringIO()
@@ -62,6 +63,7 @@ def test_a_benchmark_run_is_the_run_main_py_makes(cifar_batches_dir, tmp_path):
     assert first["train_loss"] == pytest.approx(summary["train_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_command_writes_json_with_every_run(cifar_batches_dir, tmp_path):
     path = tmp_path / "bench.json"
     result = run(["-m", "jaxtrain.bench", *MLP_OVERRIDES, f"--config.data.dir={cifar_batches_dir}",
@@ -76,6 +78,7 @@ def test_the_command_writes_json_with_every_run(cifar_batches_dir, tmp_path):
     assert 0 < summary["compile_seconds"] < summary["process_seconds"] < 600
 
 
+@pytest.mark.slow
 def test_a_diverging_recipe_is_reported_not_averaged(cifar_batches_dir):
     result = run(["-m", "jaxtrain.bench", *MLP_OVERRIDES, f"--config.data.dir={cifar_batches_dir}",
                   "--config.optimizer.learning_rate=1e30", "--runs=2", "--warmup=0"])
@@ -84,6 +87,7 @@ def test_a_diverging_recipe_is_reported_not_averaged(cifar_batches_dir):
     assert "Traceback" not in result.stderr and "2 runs:" not in result.stdout
 
 
+@pytest.mark.slow
 def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches_dir, tmp_path):
     config = mlp_config(cifar_batches_dir)
     info = inspection.inspect(config, steps=3, profile_dir=str(tmp_path / "profile"))
@@ -150,6 +154,7 @@ def test_inspect_reports_kernels_flops_speed_and_the_costliest_ops(cifar_batches
     assert info["hlo_file"] in out.getvalue()
 
 
+@pytest.mark.slow
 def test_the_profile_ranks_a_programs_costliest_op_first(tmp_path):
     """A 768x768 matrix product and a tiny sum: the traced op holding the product (a dot,
     or the fusion calling it, as XLA named it in the compiled program) is first, with
@@ -176,6 +181,7 @@ def test_the_profile_ranks_a_programs_costliest_op_first(tmp_path):
     assert kernels[0]["top_hlo_op"] == product[0] and kernels[0]["share_of_kernel_time"] > 0.9
 
 
+@pytest.mark.slow
 def test_where_xla_counts_no_flops_the_jaxpr_s_matrix_work_is_reported(cifar_batches_dir,
                                                                         monkeypatch):
     """jax 0.11.2 on the H200 gave an empty cost analysis: the report must not say 0."""
@@ -213,6 +219,7 @@ def test_matmul_flops_counts_products_convolutions_loops_and_branches():
         assert inspection.matmul_flops(jax.make_jaxpr(grads)(images, kernel)) == 2 * forward, impl
 
 
+@pytest.mark.slow
 def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_dir, tmp_path):
     path = tmp_path / "inspect.json"
     result = run(["-m", "jaxtrain.bench", "--inspect", "--steps=1",
@@ -257,6 +264,7 @@ def test_peak_table_and_process_clock():
     assert time.time() - 3600 < benchmark.PROCESS_START <= time.time()
 
 
+@pytest.mark.slow
 def test_runs_zero_compiles_only(cifar_batches_dir):
     out = io.StringIO()
     result = benchmark.benchmark(mlp_config(cifar_batches_dir), runs=0, warmup=0, stream=out)
@@ -276,6 +284,7 @@ def bench_args(data_dir, *args):
             "--config.train.num_steps=10", "--runs=1", "--warmup=0", *args]
 
 
+@pytest.mark.slow
 def test_devices_picks_the_first_n_and_defaults_to_one(cifar_batches_dir, tmp_path):
     """One device unless asked, even when more exist: the public records are single-GPU."""
     for flags, devices in (((), 1), (("--devices=2", f"--compilation_cache={tmp_path / 'c'}"), 2)):
@@ -290,6 +299,7 @@ def test_devices_picks_the_first_n_and_defaults_to_one(cifar_batches_dir, tmp_pa
     assert any(name.startswith("jit_whole_run-") for name in os.listdir(tmp_path / "c"))
 
 
+@pytest.mark.slow
 def test_bad_devices_and_flag_values_are_one_line_errors(cifar_batches_dir):
     for flag, message in (
             ("--devices=3", "error: --devices=3: must be from 1 to 2, the number of cpu devices "
@@ -307,6 +317,7 @@ def test_bad_devices_and_flag_values_are_one_line_errors(cifar_batches_dir):
         assert result.stderr.strip().splitlines()[-1].startswith(message)
 
 
+@pytest.mark.slow
 def test_whole_process_compiles_warm_from_the_cache_the_cold_run_wrote(cifar_batches_dir,
                                                                         tmp_path):
     path, root = tmp_path / "whole.json", tmp_path / "cache"
@@ -389,6 +400,7 @@ def test_a_gpu_trace_is_read_from_the_device_plane_s_xla_ops_line():
         ("convolution.1", "convolution.1")]
 
 
+@pytest.mark.slow
 def test_memory_prints_what_the_step_needs_per_device_before_anything_runs(cifar_batches_dir,
                                                                             tmp_path):
     """`bench --memory` as a user types it, on 2 devices: the plain step and the same with

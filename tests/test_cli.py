@@ -39,6 +39,7 @@ def assert_one_line_error(result, status, message=None):
 
 # ---------------------------------------------------------------- unknown keys
 
+@pytest.mark.slow
 def test_an_unknown_key_on_the_command_line_names_the_nearest(tmp_path):
     result = run_main("--config=configs/cifar.py", f"--workdir={tmp_path}",
                       "--config.train.batch_siz=3")
@@ -47,6 +48,7 @@ def test_an_unknown_key_on_the_command_line_names_the_nearest(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_an_unknown_key_in_ones_own_config_file_is_refused(tmp_path):
     """`c.optimizer.lr = 0.01` used to train at the default 0.1, silently."""
     recipe = tmp_path / "my_recipe.py"
@@ -59,6 +61,7 @@ def test_an_unknown_key_in_ones_own_config_file_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_an_unknown_key_set_in_python_is_refused(tmp_path):
     config = cifar_seed_cnn.get_config()
     config.train.epochs = 3
@@ -99,6 +102,7 @@ def my_model(tmp_path):
     return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
 
 
+@pytest.mark.slow
 def test_a_user_models_arguments_are_set_from_the_command_line(my_model, tmp_path,
                                                                 cifar_batches_dir):
     """--config.model.kwargs.width=8 reaches TinyNet(width=8); a typo is one line naming
@@ -201,6 +205,7 @@ ANY_VALUE = ("data.dir", "train.compilation_cache", "seed", "logging.mlflow", "l
              "logging.mlflow_experiment", "model.init_from", "model.init_from_exclude")
 
 
+@pytest.mark.slow
 def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
     """For every key of jaxtrain/config/defaults.py, through main.py's own parsing and main():
     exactly one `error:` line, no traceback, exit status 2, nothing written."""
@@ -242,6 +247,7 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
         assert not result["written"], what
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (("--config=configs/cifar10.py",),
      "--config=configs/cifar10.py: no such file (did you mean configs/cifar.py?)"),
@@ -271,6 +277,7 @@ def test_usage_errors_are_one_line_with_status_2(tmp_path, args, message):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_take_the_images_names_the_key(cifar_batches_dir, tmp_path):
     result = run_main("--config=configs/cifar.py", f"--workdir={tmp_path / 'run'}",
                       f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
@@ -282,6 +289,7 @@ def test_a_model_that_cannot_take_the_images_names_the_key(cifar_batches_dir, tm
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_missing_data_is_a_failed_run_status_1(tmp_path):
     result = run_main("--config=configs/cifar.py", f"--workdir={tmp_path / 'run'}",
                       "--config.data.source=files", f"--config.data.dir={tmp_path / 'none'}",
@@ -304,6 +312,7 @@ def default_workdir_run(cifar_batches_dir, tmp_path_factory):
     return cwd, result
 
 
+@pytest.mark.slow
 def test_without_workdir_the_run_goes_to_runs_config_stem(default_workdir_run):
     cwd, result = default_workdir_run
     assert result.stdout.splitlines()[0] == ("workdir: runs/cifar_seed_cnn (--workdir not "
@@ -311,6 +320,7 @@ def test_without_workdir_the_run_goes_to_runs_config_stem(default_workdir_run):
     assert (cwd / "runs" / "cifar_seed_cnn" / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_eval_uses_the_runs_config_and_takes_a_step_number(default_workdir_run):
     """--config names another recipe (cifar.py's model and TTA), and no data.dir is given:
     the run's config.json decides, and the overrides typed now go on top."""
@@ -330,6 +340,7 @@ def test_eval_uses_the_runs_config_and_takes_a_step_number(default_workdir_run):
 
 # ---------------------------------------------------------------- resume checks the recipe
 
+@pytest.mark.slow
 def test_resuming_with_another_recipe_stops_naming_every_change(default_workdir_run,
                                                                   cifar_batches_dir):
     cwd, _ = default_workdir_run
@@ -351,6 +362,7 @@ def test_resuming_with_another_recipe_stops_naming_every_change(default_workdir_
     assert (workdir / "config.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_changes_that_leave_training_alone_resume(default_workdir_run, cifar_batches_dir,
                                                   tmp_path):
     cwd, _ = default_workdir_run
@@ -390,6 +402,7 @@ def assert_stopped(process, signum, phase):
                                f"while {phase}"), lines[0]
 
 
+@pytest.mark.slow
 def test_a_signal_while_starting_stops_cleanly(tmp_path):
     process = start("--config=configs/cifar.py", f"--workdir={tmp_path / 'run'}")
     time.sleep(0.5)  # importing JAX and Flax takes seconds
@@ -398,6 +411,7 @@ def test_a_signal_while_starting_stops_cleanly(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_signal_while_loading_the_data_stops_cleanly(tmp_path):
     with socket.socket() as silent:  # accepts the download, never answers
         silent.bind(("127.0.0.1", 0))
@@ -414,6 +428,7 @@ def test_a_signal_while_loading_the_data_stops_cleanly(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_signal_while_compiling_stops_cleanly(cifar_batches_dir, tmp_path):
     workdir = tmp_path / "run"
     process = start("--config=configs/cifar.py", f"--workdir={workdir}",
@@ -434,6 +449,7 @@ def test_a_signal_while_compiling_stops_cleanly(cifar_batches_dir, tmp_path):
 RECIPES = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")
 
 
+@pytest.mark.slow
 def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir, tmp_path):
     """`pip install .` (here into a folder, from a copy of the package's files): import
     jaxtrain from elsewhere, and train from a config file kept outside the repository."""
@@ -481,6 +497,7 @@ def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir
     assert len(loaded.stdout.split()) == len(RECIPES) and "resnet18" in loaded.stdout.split()
 
 
+@pytest.mark.slow
 def test_a_signal_while_a_checkpoint_is_written_stops_after_it(cifar_batches_dir, tmp_path):
     """SIGTERM the moment a checkpoint's temporary folder appears (Orbax writing it): the
     run finishes that checkpoint, stops with one line naming a saved step, exit 143, and

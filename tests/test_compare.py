@@ -48,6 +48,7 @@ def comparison(cifar_batches_dir, tmp_path_factory):
     return workdir, runner.run(config, runner.FRAMEWORKS, str(workdir))
 
 
+@pytest.mark.slow
 def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
     workdir, output = comparison
     written = json.loads((workdir / runner.JSON_FILE).read_text())
@@ -81,6 +82,7 @@ def test_all_three_frameworks_run_and_write_json_and_plot(comparison):
     assert "measures" not in written["results"][1]  # torch_article: the article's way
 
 
+@pytest.mark.slow
 def test_the_warm_up_leaves_the_run_unchanged(cifar_batches_dir, tmp_path):
     from jaxtrain.run import loop
 
@@ -100,6 +102,7 @@ def test_torch_without_cuda_beside_a_jax_gpu_is_one_line():
         runner.check_torch_device("gpu", False, "2.x")
 
 
+@pytest.mark.slow
 def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
@@ -121,6 +124,7 @@ def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
     assert measures["weights"]["why"] == "off (--torch_bfloat16=off)"
 
 
+@pytest.mark.slow
 def test_command_line_rejects_an_unknown_framework(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
@@ -152,6 +156,7 @@ def test_parameter_counts_are_equal(config, expected):
         assert torch_models.count_params(twin) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     model_config("seed_cnn", batch_norm=True),
     model_config("mlp", batch_norm=True, hidden_sizes=(64, 32)),
@@ -184,6 +189,7 @@ def test_twin_initialisation_has_the_flax_scale():
     assert not twin[1].bias.detach().any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [
     model_config("seed_cnn"),
     model_config("cifar_cnn", widths=(8, 16, 16), stem_width=8),
@@ -264,6 +270,7 @@ def test_torch_optimizers_follow_optax(name, nesterov, schedule):
                                atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_torch_muon_follows_optax_muon(nesterov):
     """torch_optim.Muon (OIHW weights) against optax.contrib.muon through optim.py (HWIO
@@ -322,6 +329,7 @@ def to_torch_layout(array):
                                                                       lambda a: a)(array)
 
 
+@pytest.mark.slow
 def test_record_recipe_optimizers_take_the_same_steps(cifar_batches_dir):
     """Three steps of the record recipe's optimiser on the same weights and gradients
     (jaxtrain's, on real images): the four parameter groups matched on Flax paths
@@ -404,6 +412,7 @@ def test_alternating_flips_mirror_each_image_once_in_two_epochs(cifar_batches_di
         torch_models.augment_batch(images, flip=True, alternate_flip=True)
 
 
+@pytest.mark.slow
 def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
     """eval.tta_fraction: plain logits, then TTA on the 30% least confident images."""
     config = record_config(cifar_batches_dir, eval__tta_fraction=0.3)
@@ -451,6 +460,7 @@ def test_rotation_is_jaxtrains(cifar_subset):
     assert np.mean(got == expected) > 0.999  # a rounding tie may fall either way
 
 
+@pytest.mark.slow
 def test_augmentations_move_pixels_like_jaxtrains(cifar_subset):
     torch.manual_seed(0)
     images = torch.from_numpy(cifar_subset["x_train"][:64]).permute(0, 3, 1, 2)
@@ -475,6 +485,7 @@ def test_augmentations_move_pixels_like_jaxtrains(cifar_subset):
     np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_torch_fast_trains_the_record_recipe_in_bfloat16(cifar_batches_dir):
     """torch_fast's measures on the CPU (torch.compile aside): bfloat16 weights with
     float32 BatchNorm and master weights (--torch_bfloat16=on), Muon's Newton-Schulz in
@@ -551,6 +562,7 @@ def test_an_epoch_augmented_at_once_is_the_per_batch_augmentation(cifar_subset, 
     assert torch.equal(got, expected) and not torch.equal(got, flipped)
 
 
+@pytest.mark.slow
 def test_tta_views_in_one_batch_give_the_separate_views_logits(cifar_subset):
     config = model_config("cifar_cnn", widths=(8, 16, 16), stem_width=8)
     twin = torch_models.create_model(config, 10, (32, 32, 3)).eval()
@@ -572,6 +584,7 @@ def test_tta_views_in_one_batch_give_the_separate_views_logits(cifar_subset):
         assert not torch.allclose(plain, together, atol=1e-3)  # the views matter
 
 
+@pytest.mark.slow
 def test_torch_computes_jaxtrains_whitened_stem(cifar_subset):
     """torch_fast's stem, computed in torch (float64) inside its clock, against
     jaxtrain's (float32): equal to jaxtrain's rounding, most in the least-variance
@@ -616,6 +629,7 @@ def test_batched_newton_schulz_is_the_per_matrix_one():
                                                                (3, 6, 36)]
 
 
+@pytest.mark.slow
 def test_master_weights_step_float32_weights_for_a_bfloat16_copy():
     """torch_fast's bfloat16 weights: BatchNorm shared in float32, the optimiser steps
     the float32 weights with the copy's gradients (as float32) and copies them back."""
@@ -656,6 +670,7 @@ def test_master_weights_step_float32_weights_for_a_bfloat16_copy():
     assert len(moved) == len(pairs) + 6  # and the six BatchNorm biases
 
 
+@pytest.mark.slow
 def test_torch_compile_falls_back_past_its_cap_and_on_errors():
     """torch_fast tries its compile mode within the cap, then 'default' (uncapped), then no
     compilation, recording each fallback and its reason; a CPU skips the CUDA modes."""
@@ -689,11 +704,13 @@ def test_torch_compile_falls_back_past_its_cap_and_on_errors():
     assert (mode, result, fallbacks, enforced) == ("default", "default", [], False)  # uncapped
 
 
+@pytest.mark.slow
 def test_unknown_framework_is_refused(cifar_batches_dir, tmp_path):
     with pytest.raises(runner.CompareError, match="unknown framework"):
         runner.run(seed_config(cifar_batches_dir), ["jax", "mxnet"], str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
     config = cifar.get_config()
     config.data.dir, config.data.source = str(cifar_batches_dir), "files"
@@ -710,6 +727,7 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
     assert id(stem.weight) not in trained and id(stem.bias) in trained
 
 
+@pytest.mark.slow
 def test_a_recipe_the_twins_lack_is_refused_before_training(cifar_batches_dir, tmp_path):
     config = seed_config(cifar_batches_dir, optimizer__lookahead_steps=5)
     with pytest.raises(runner.CompareError,
@@ -783,6 +801,7 @@ def test_resnet_twin_parameters_are_flaxs(name, classes, stem, shape, expected):
         assert tuple(param.shape) == tuple(flax_shapes[path][i] for i in layout), path
 
 
+@pytest.mark.slow
 def test_resnet_twin_initialisation_is_flaxs():
     """lecun_normal kernels, zero dense bias, BN weight 1 and bias 0 except the residual
     branch's last BN weight, 0 (the Flax model's zero_scale)."""
@@ -802,6 +821,7 @@ def test_resnet_twin_initialisation_is_flaxs():
     assert all(bool((paths[path] == 1).all()) for path in ones) and len(ones) == 1 + 8 + 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stem,size", [("cifar", 32), ("imagenet", 64)])
 def test_resnet_twins_with_copied_weights_compute_the_same_function(stem, size):
     """Eval mode, BatchNorm statistics and scales away from their initial values: the
@@ -821,6 +841,7 @@ def test_resnet_twins_with_copied_weights_compute_the_same_function(stem, size):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
     """As test_one_sgd_step_is_the_same_in_both_frameworks, for resnet18 (the cifar stem:
     no max-pool, whose gradient ties XLA and torch break differently), with a

@@ -659,6 +659,7 @@ def test_tfds_labels_out_of_range_are_refused(fake_tfds):
         data.load_tfds('cifar10', download=False)
 
 
+@pytest.mark.slow
 def test_without_cifar10_tests_skip_outside_ci_and_fail_under_ci(tmp_path):
     """A checkout without ../shared/data, an empty cache and no $JAXTRAIN_DATA_DIR: the
     tests that need CIFAR-10 skip with one line naming all three ways to provide it, and

@@ -302,6 +302,7 @@ def run_cli(*args, patch=None):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_download(server, tmp_path):
     url, httpd = server
     served = md5s(httpd.files)[CIFAR_ARCHIVE]
@@ -317,6 +318,7 @@ def test_cli_download(server, tmp_path):
     assert data.load('cifar10', 'files', proc.stdout.strip()).x_train.shape[0] == 2000
 
 
+@pytest.mark.slow
 def test_cli_checksum_failure_is_one_error_line(server, tmp_path, capsys):
     """With the published checksum the served subset archive fails: one line, exit 1.
 
@@ -331,6 +333,7 @@ def test_cli_checksum_failure_is_one_error_line(server, tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_cli_unknown_name_is_one_error_line(tmp_path):
     proc = run_cli('download', 'imagenet', '--dir', str(tmp_path))
     assert proc.returncode == 1

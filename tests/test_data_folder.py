@@ -171,6 +171,7 @@ np.savez(sys.argv[2], x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test, 
 """
 
 
+@pytest.mark.slow
 def test_worker_processes_give_identical_arrays(cifar_folder, cifar_from_folder, tmp_path, monkeypatch):
     """workers=2 and 3 (2500 files in 10 and 13 chunks) against workers=1, both ways of starting workers.
 
@@ -549,6 +550,7 @@ def test_no_cache_and_unwritable_cache(tmp_path, monkeypatch):
     assert len(list((tmp_path / 'home/.cache/jaxtrain/folders').glob('*.npz'))) == 1
 
 
+@pytest.mark.slow
 def test_a_short_run_trains_on_a_folder(cifar_folder, tmp_path, monkeypatch):
     """main's path: data.name='folder' through data.load_config, cached in ~/.cache/jaxtrain."""
     from configs import cifar_seed_cnn

@@ -153,6 +153,7 @@ def test_own_data_needs_data_dir(tmp_path):
         data.load('imagenet')
 
 
+@pytest.mark.slow
 def test_a_short_run_trains_on_an_npz(arrays_npz, tmp_path):
     config = cifar_seed_cnn.get_config()
     config = with_overrides(config, {'data__name': 'arrays', 'data__dir': str(arrays_npz),

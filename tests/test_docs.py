@@ -81,6 +81,7 @@ def test_every_command_names_real_files_keys_and_flags(page, name, words):
             assert flag in flags, f"{page}: `{name}` has no flag --{flag}"
 
 
+@pytest.mark.slow
 def test_the_readme_callback_runs_as_printed(cifar_batches_dir, tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     (example,) = [b for b in blocks if b.startswith("# my_callbacks.py")]
@@ -149,6 +150,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_every_documented_command_that_runs_on_a_cpu_runs_as_written(
         cifar_batches_dir, cifar_jpeg_folder, tmp_path):
     """Each command as the page prints it, from a folder laid out as the page assumes:

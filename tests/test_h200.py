@@ -42,6 +42,7 @@ def dry_run(cifar_batches_dir, tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_every_item_runs_and_reports_its_figures(dry_run):
     out, result = dry_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
@@ -86,6 +87,7 @@ def test_every_item_runs_and_reports_its_figures(dry_run):
         assert {Path(n).name for n in tar.getnames()} >= {f"{name}.log" for name in items}
 
 
+@pytest.mark.slow
 def test_an_item_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
     h200 = load_script()
     log = tmp_path / "sleep.log"
@@ -103,6 +105,7 @@ def test_an_item_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
     assert report["items"] == {}  # the run ends at the setup step it could not run
 
 
+@pytest.mark.slow
 def test_an_item_stopped_at_its_cap_reports_its_finished_runs(cifar_batches_dir, tmp_path):
     """The speedrun benchmark writes its JSON after compiling and after every run: stopped
     at its cap part-way through 100,000 runs, it has left its compile time and the runs it
@@ -126,6 +129,7 @@ def test_an_item_stopped_at_its_cap_reports_its_finished_runs(cifar_batches_dir,
     assert items["seed_64_replicas"]["status"] == "stopped after 1 s (its 1 s cap)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", ["wheels", "data"])
 def test_a_failing_setup_step_is_recorded_before_any_item(broken, tmp_path):
     wheels, npz_dir = tmp_path / "wheels", tmp_path / "npz"
@@ -254,6 +258,7 @@ def test_airbenchs_output_is_read_run_by_run():
     assert done["finished"] and done["mean_line"] == "Mean: 0.9075    Std: 0.0007"
 
 
+@pytest.mark.slow
 def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(cifar_batches_dir,
                                                                          tmp_path):
     """Part 2, dry: the stand-in reads the cifar10/*.pt the item wrote (its accuracy is above
@@ -280,6 +285,7 @@ def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(cifar_ba
         sum(run["time_seconds"] for run in runs) / len(runs))
 
 
+@pytest.mark.slow
 def test_airbench_is_prepared_from_a_clone_or_a_file(tmp_path):
     h200 = load_script()
     repo = tmp_path / "cifar10-airbench"
@@ -299,6 +305,7 @@ def test_airbench_is_prepared_from_a_clone_or_a_file(tmp_path):
     assert "/.airbench/" in (REPO / ".gitignore").read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_an_unknown_item_is_a_one_line_usage_error(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--data_dir=D", f"--out={tmp_path}",
                              "--only=speedrun,sppedrun"], cwd=REPO, capture_output=True,

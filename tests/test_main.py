@@ -15,6 +15,7 @@ def run_main(*args, env=None):
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_seed_recipe_runs_from_the_command_line(cifar_batches_dir, tmp_path):
     result = run_main("--config=configs/cifar_seed_cnn.py", f"--workdir={tmp_path}",
                       f"--config.data.dir={cifar_batches_dir}", "--config.train.num_steps=20",
@@ -30,6 +31,7 @@ def test_seed_recipe_runs_from_the_command_line(cifar_batches_dir, tmp_path):
     assert list((tmp_path / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_fast_recipe_config_runs(cifar_batches_dir, tmp_path):
     result = run_main("--config=configs/cifar.py", f"--workdir={tmp_path}",
                       f"--config.data.dir={cifar_batches_dir}", "--config.train.num_steps=2",
@@ -41,6 +43,7 @@ def test_fast_recipe_config_runs(cifar_batches_dir, tmp_path):
     assert summary["param_count"] > 1_000_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,message", [
     ("--config.train.bogus=3", "unknown config key 'train.bogus'"),
     ("--config.nosuch.key=1", "unknown config key 'nosuch.key'"),
@@ -57,6 +60,7 @@ def test_bad_overrides_stop_with_a_message_naming_the_key(tmp_path, override, me
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_missing_data_lists_where_it_looked(tmp_path):
     home = tmp_path / "home"
     result = run_main("--config=configs/cifar.py", f"--workdir={tmp_path / 'w'}",

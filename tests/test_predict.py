@@ -93,6 +93,7 @@ def predict_cli(*args):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.slow
 def test_predict_files_matches_predict_on_the_loaders_arrays(folder_run, photos, loader_arrays):
     root, good = photos
     classifier = jaxtrain.restore(folder_run)
@@ -109,6 +110,7 @@ def test_predict_files_matches_predict_on_the_loaders_arrays(folder_run, photos,
     assert probability == pytest.approx(result.probabilities[0].max())
 
 
+@pytest.mark.slow
 def test_cli_json_classifies_the_rest_when_files_are_unreadable(folder_run, photos,
                                                                  loader_arrays, tmp_path):
     root, good = photos
@@ -142,6 +144,7 @@ def test_cli_json_classifies_the_rest_when_files_are_unreadable(folder_run, phot
         assert row["top"][1]["class"] == classifier.class_names[second]
 
 
+@pytest.mark.slow
 def test_cli_text_lines_for_a_named_checkpoint(folder_run, photos):
     _, good = photos
     step = jaxtrain.restore(folder_run).step
@@ -159,6 +162,7 @@ def test_cli_text_lines_for_a_named_checkpoint(folder_run, photos):
             assert float(printed) == pytest.approx(p, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (("{empty}", "{photo}"), "not a jaxtrain run"),
     (("{run}", "{photo}", "--checkpoint=999"), "no such step"),

@@ -7,6 +7,7 @@ import shutil
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +42,7 @@ def check_valid(dataset, channels):
         assert y.min(initial=0) >= 0 and y.max(initial=0) < dataset.num_classes
 
 
+@pytest.mark.slow
 @FUZZ
 @given(name=st.sampled_from(["data_batch_1", "test_batch", "batches.meta"]), mutation=mutations)
 def test_mutated_real_cifar_files(cifar_batches_dir, tmp_path_factory, name, mutation):

@@ -62,6 +62,7 @@ def test_flags_are_read_checked_and_merged():
         checks.check_config(config)
 
 
+@pytest.mark.slow
 def test_names_are_looked_up_in_this_jaxlib():
     spec = importlib.util.spec_from_file_location("h200", REPO / "benchmarks" / "h200.py")
     h200 = importlib.util.module_from_spec(spec)
@@ -81,6 +82,7 @@ def test_names_are_looked_up_in_this_jaxlib():
     assert xla_flags.apply("") == os.environ.get("XLA_FLAGS", "")
 
 
+@pytest.mark.slow
 def test_an_unknown_flag_is_a_one_line_usage_error_not_xlas_abort(tmp_path):
     result = run(["-m", "jaxtrain.bench", *TINY, f"--config.data.dir={tmp_path}", "--runs=0",
                   "--config.train.xla_flags=--xla_gpu_autotune_levle=2"])
@@ -91,6 +93,7 @@ def test_an_unknown_flag_is_a_one_line_usage_error_not_xlas_abort(tmp_path):
         "--xla_gpu_autotune_levle=2"]
 
 
+@pytest.mark.slow
 def test_main_py_runs_with_the_configs_flags_and_records_them(cifar_batches_dir, tmp_path):
     """Two CPU devices (a flag whose effect the run itself shows) and the GPU flags, as
     XLA read them; the environment's own flags kept, the config's value winning."""
@@ -109,6 +112,7 @@ def test_main_py_runs_with_the_configs_flags_and_records_them(cifar_batches_dir,
     assert "xla_gpu_enable_llvm_module_compilation_parallelism: true\n" in options
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["bench", "compare"])
 def test_bench_and_compare_pass_the_configs_flags_to_xla(command, cifar_batches_dir, tmp_path):
     flags = f"--xla_gpu_autotune_level=1 {dump_flags(tmp_path / 'd')}"
