@@ -2,7 +2,8 @@
 count is fixed when JAX starts): `python tests/scale_probe.py SPEC.json OUT.json`.
 
 SPEC holds {"runs": [{"name", "workdir", "npz", "model", "fsdp", "steps", ...}, ...],
-"memory": [{"name", "npz", "model", "batch_size", "accumulate_steps", "remat", "fsdp"}]}.
+"memory": [{"name", "npz", "model", "batch_size", "accumulate_steps", "remat", "fsdp"}]};
+a run's "kwargs" are model.kwargs (a model of your own), its "loop" train.loop.
 Each run trains with train_and_evaluate (resuming if its workdir holds a checkpoint);
 OUT gets, per run, its per-step train losses, summary.json's figures, and the bytes
 its final parameters and optimiser state hold on each device; per memory entry,
@@ -12,6 +13,7 @@ import json
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 
 from jaxtrain.config.defaults import get_config
@@ -27,6 +29,9 @@ def config_for(spec: dict):
     config.model.name = spec["model"]
     config.model.stem = spec.get("stem", "auto")
     config.model.remat = spec.get("remat", False)
+    if "kwargs" in spec:
+        config.model.kwargs = ml_collections.ConfigDict(spec["kwargs"])
+    config.train.loop = spec.get("loop", "auto")
     config.train.precision = "float32"
     config.train.batch_size = spec.get("batch_size", 16)
     config.train.num_steps = spec.get("steps", 5)

@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import quick_compile
+import test_parallel
 from conftest import init_compiled
 from overrides import with_overrides
+from test_parallel import finish, free_port
 
 import jaxtrain
 from jaxtrain import ConfigError, models
@@ -27,24 +30,19 @@ from jaxtrain.training import prepare
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_quickly():
+    """XLA at -O0 for what this module's tests compile in this process (quick_compile.py)."""
+    with quick_compile.in_process():
+        yield
+
+
 @pytest.fixture(scope="module")
 def arrays32(tmp_path_factory, cifar_subset):
     """Real CIFAR-10 as a data.name='arrays' file: 256 training, 16 test images, 32 px."""
     path = tmp_path_factory.mktemp("arrays32") / "cifar32.npz"
     np.savez(path, x_train=cifar_subset["x_train"][:256], y_train=cifar_subset["y_train"][:256],
              x_test=cifar_subset["x_test"][:16], y_test=cifar_subset["y_test"][:16],
-             class_names=np.array(cifar_subset["class_names"]))
-    return path
-
-
-@pytest.fixture(scope="module")
-def arrays64(tmp_path_factory, cifar_subset):
-    """The same images at 64 px (each pixel 2 x 2): 64 training, 16 test."""
-    def up(x):
-        return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
-    path = tmp_path_factory.mktemp("arrays64") / "cifar64.npz"
-    np.savez(path, x_train=up(cifar_subset["x_train"][:64]), y_train=cifar_subset["y_train"][:64],
-             x_test=up(cifar_subset["x_test"][:16]), y_test=cifar_subset["y_test"][:16],
              class_names=np.array(cifar_subset["class_names"]))
     return path
 
@@ -73,6 +71,7 @@ def max_difference(a, b) -> float:
 
 # ---------------------------------------------------------------- accumulation
 
+@pytest.mark.slow
 def test_accumulating_four_micro_batches_is_the_whole_batch_without_batchnorm(arrays32,
                                                                              tmp_path):
     """An MLP without BatchNorm: 10 steps of batch 32 as 4 x 8 give the parameters of
@@ -91,6 +90,7 @@ def test_accumulating_four_micro_batches_is_the_whole_batch_without_batchnorm(ar
     assert summary["steps"] == 10  # optimiser steps, not micro-batches
 
 
+@pytest.mark.slow
 def test_accumulation_with_batchnorm_trains_and_resumes_exactly(arrays32, tmp_path):
     """seed_cnn with BatchNorm, K=4: BatchNorm sees micro-batches of 8, so the run is not
     the K=1 run; killed (here: stopped at step 5) and resumed, it is bit for bit the
@@ -149,6 +149,7 @@ def loss_and_grads(model, variables, images, labels):
     return jax.value_and_grad(loss_fn)(variables["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, size", [("cifar_cnn", 32), ("resnet18", 32), ("vit_tiny", 32)])
 def test_remat_gives_the_same_loss_and_gradients(name, size, cifar_subset):
     config = get_config()
@@ -159,8 +160,12 @@ def test_remat_gives_the_same_loss_and_gradients(name, size, cifar_subset):
     for remat in (False, True):
         config.model.remat = remat
         model = models.create_model(config.model, 10, jnp.float32)
-        if name == "vit_tiny":  # two of its twelve blocks: the same remat, 6x less to compile
+        # the same remat with less to compile (two inits, two gradients): two of ViT-T's
+        # twelve blocks, one basic block a stage of ResNet-18's two
+        if name == "vit_tiny":
             model = model.clone(depth=2)
+        elif name == "resnet18":
+            model = model.clone(stage_sizes=(1, 1, 1, 1))
         variables = init_compiled(model, images[:1])
         results[remat] = (variables, jax.jit(loss_and_grads, static_argnums=0)(
             model, variables, images, labels))
@@ -195,70 +200,65 @@ def test_fsdp_splits_big_tensors_along_a_dimension_that_divides():
 
 # ---------------------------------------------------------------- several devices
 
-def devices_env(count: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+def devices_env(count: int, backend_level: int = quick_compile.LEVEL) -> dict:
+    """`count` CPU devices, XLA's LLVM backend at -O`backend_level` (quick_compile.py)."""
+    env = test_parallel.devices_env(count, backend_level)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     return env
 
 
-def probe(spec: dict, devices: int, tmp_path) -> dict:
+def probe(spec: dict, devices: int, tmp_path, backend_level: int = quick_compile.LEVEL) -> dict:
     spec_file, out_file = tmp_path / f"spec{devices}.json", tmp_path / f"out{devices}.json"
     spec_file.write_text(json.dumps(spec))
     done = subprocess.run([sys.executable, str(REPO / "tests" / "scale_probe.py"), str(spec_file),
-                           str(out_file)], env=devices_env(devices), capture_output=True,
-                          text=True, timeout=900)
+                           str(out_file)], env=devices_env(devices, backend_level),
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out_file.read_text())
 
 
-RESNET = dict(model="resnet18", stem="imagenet", steps=5, batch_size=16)  # 64 px
-VIT = dict(model="vit_tiny", steps=5, batch_size=8, optimizer="adamw",
-           learning_rate=1e-3)  # 32 px: 4 patches and the class token
+# ResNet-18 at 32 px (its ImageNet stem leaves 8 x 8), SGD with momentum: BatchNorm, 4-D kernels
+RESNET = dict(model="resnet18", stem="imagenet", steps=5, batch_size=16)
+RESNET_BACKEND_LEVEL = 1  # -O0 compiles it faster but runs its steps 3x slower: no gain
+# ViT-T's width and heads (192, 3) with 2 of its 12 blocks, AdamW; jaxtrain's own ViT class named
+# as a model of your own, since no config key sets the depth of vit_tiny; it scans its chunks as
+# vit_tiny does. 32 px: 4 patches and the class token.
+VIT_KWARGS = dict(dim=192, depth=2, heads=3)
+VIT = dict(model="jaxtrain.models.vit:ViT", kwargs=VIT_KWARGS, loop="scan", steps=5,
+           batch_size=8, optimizer="adamw", learning_rate=1e-3)
 
 
-def eight_device_runs(tmp_path_factory, arrays32, arrays64):
-    """Runs and memory analyses on 8 CPU devices, in one subprocess. (CI's share of the
-    layouts: ResNet-18 with fsdp 4 x data 2, ViT-T with fsdp 8; each model with every
-    layout passes too, and takes a minute more.)"""
-    root = tmp_path_factory.mktemp("fsdp8")
+def layout_runs(root, name, spec, npz, layouts) -> list:
+    """One run of `spec` per fsdp size in `layouts`, each in a workdir of its own under
+    root; the fsdp=4 run saves a checkpoint at step 3 too."""
     runs = []
-    for name, spec, npz, layouts in (("resnet", RESNET, arrays64, (1, 4)),
-                                     ("vit", VIT, arrays32, (1, 8))):
-        for fsdp in layouts:
-            workdir = root / f"{name}_fsdp{fsdp}"
-            workdir.mkdir()
-            runs.append(dict(spec, name=f"{name}_fsdp{fsdp}", workdir=str(workdir), npz=str(npz),
-                             fsdp=fsdp, checkpoint_every=3 if fsdp == 4 else 0))
-    base = dict(model="cifar_cnn", npz=str(arrays32), batch_size=256)  # 32 per device
-    memory = [dict(base, name="baseline"), dict(base, name="accumulate4", accumulate_steps=4),
-              dict(base, name="remat", remat=True), dict(base, name="fsdp8", fsdp=8)]
-    return probe({"runs": runs, "memory": memory}, 8, root), root
+    for fsdp in layouts:
+        workdir = root / f"{name}_fsdp{fsdp}"
+        workdir.mkdir()
+        runs.append(dict(spec, name=f"{name}_fsdp{fsdp}", workdir=str(workdir), npz=str(npz),
+                         fsdp=fsdp, checkpoint_every=3 if fsdp == 4 else 0))
+    return runs
 
 
-def check_fsdp_trains_as_the_replicated_run(out):
+def check_fsdp_trains_as_the_replicated_run(out, name, fsdp):
     assert out["devices"] == 8
-    for name, layouts in (("resnet", (4,)), ("vit", (8,))):
-        replicated = out["runs"][f"{name}_fsdp1"]
-        assert replicated["fsdp"] == 1 and len(replicated["losses"]) == 5
-        for fsdp in layouts:
-            run = out["runs"][f"{name}_fsdp{fsdp}"]
-            assert run["fsdp"] == fsdp
-            np.testing.assert_allclose([run["losses"][s] for s in sorted(run["losses"])],
-                                       [replicated["losses"][s] for s in sorted(run["losses"])],
-                                       rtol=0, atol=1e-4)
+    replicated = out["runs"][f"{name}_fsdp1"]
+    assert replicated["fsdp"] == 1 and len(replicated["losses"]) == 5
+    run = out["runs"][f"{name}_fsdp{fsdp}"]
+    assert run["fsdp"] == fsdp
+    np.testing.assert_allclose([run["losses"][s] for s in sorted(run["losses"])],
+                               [replicated["losses"][s] for s in sorted(run["losses"])],
+                               rtol=0, atol=1e-4)
 
 
-def check_devices_hold_a_share_of_the_parameters_and_optimiser_state(out):
-    for name, layouts in (("resnet", (4,)), ("vit", (8,))):
-        replicated = out["runs"][f"{name}_fsdp1"]
-        total = replicated["params_and_opt_bytes"]
-        assert replicated["params_and_opt_bytes_per_device"] == [total] * 8
-        for fsdp in layouts:
-            held = out["runs"][f"{name}_fsdp{fsdp}"]["params_and_opt_bytes_per_device"]
-            assert len(held) == 8
-            # about 1/fsdp each: the small tensors (biases, norms, counters) stay replicated
-            assert total / fsdp <= max(held) < 1.1 * total / fsdp, (name, fsdp, held, total)
+def check_devices_hold_a_share_of_the_parameters_and_optimiser_state(out, name, fsdp):
+    replicated = out["runs"][f"{name}_fsdp1"]
+    total = replicated["params_and_opt_bytes"]
+    assert replicated["params_and_opt_bytes_per_device"] == [total] * 8
+    held = out["runs"][f"{name}_fsdp{fsdp}"]["params_and_opt_bytes_per_device"]
+    assert len(held) == 8
+    # about 1/fsdp each: the small tensors (biases, norms, counters) stay replicated
+    assert total / fsdp <= max(held) < 1.1 * total / fsdp, (name, fsdp, held, total)
 
 
 def check_a_checkpoint_resumes_onto_another_layout(out, root, tmp_path):
@@ -270,7 +270,7 @@ def check_a_checkpoint_resumes_onto_another_layout(out, root, tmp_path):
     shutil.rmtree(workdir / "checkpoints" / "5")
     spec = json.loads((saved / "spec.json").read_text())
     resumed = probe({"runs": [dict(spec, name="resumed", workdir=str(workdir), fsdp=2)]}, 2,
-                    tmp_path)["runs"]["resumed"]
+                    tmp_path, RESNET_BACKEND_LEVEL)["runs"]["resumed"]
     assert resumed["resumed_from_step"] == 3 and resumed["fsdp"] == 2
     uninterrupted = out["runs"]["resnet_fsdp4"]["losses"]
     for step in ("4", "5"):
@@ -293,6 +293,7 @@ def check_memory_analysis_shows_what_each_knob_saves(out):
             < 0.2 * baseline["params_bytes_per_device"])
 
 
+@pytest.mark.slow
 def test_bad_layouts_stop_with_one_line_and_write_nothing(tmp_path, arrays32):
     for i, (flag, message) in enumerate((
             ("--config.parallel.fsdp=3", "config.parallel.fsdp=3 does not divide the 8 "
@@ -313,13 +314,14 @@ def test_bad_layouts_stop_with_one_line_and_write_nothing(tmp_path, arrays32):
 
 
 def check_two_processes_of_four_devices_train_with_fsdp(out, tmp_path, arrays32):
-    """vit_tiny with fsdp=8 over 2 processes x 4 devices: every parameter split across
-    both processes; the losses are the one-process run's."""
-    from test_parallel import finish, free_port
+    """The ViT with fsdp=8 over 2 processes x 4 devices (main.py): every parameter split
+    across both processes; the losses are the one-process run's."""
     address = f"localhost:{free_port()}"
     args = ["main.py", "--config=configs/default.py", f"--workdir={tmp_path}",
             "--config.data.name=arrays", f"--config.data.dir={arrays32}",
-            "--config.model.name=vit_tiny", "--config.optimizer.name=adamw",
+            f"--config.model.name={VIT['model']}",
+            *[f"--config.model.kwargs.{k}={v}" for k, v in VIT_KWARGS.items()],
+            f"--config.train.loop={VIT['loop']}", "--config.optimizer.name=adamw",
             "--config.optimizer.learning_rate=1e-3", "--config.train.precision=float32",
             "--config.train.batch_size=8", "--config.train.num_steps=5",
             "--config.train.log_every_steps=1", "--config.train.compilation_cache=",
@@ -337,6 +339,7 @@ def check_two_processes_of_four_devices_train_with_fsdp(out, tmp_path, arrays32)
     rows = [json.loads(line) for line in open(tmp_path / report.METRICS_FILE)]
     losses = {str(row["step"]): row["train_loss"] for row in rows if "train_loss" in row}
     single = out["runs"]["vit_fsdp8"]["losses"]
+    assert sorted(losses) == sorted(single)
     for step in single:
         assert abs(losses[step] - single[step]) < 1e-5
 
@@ -360,14 +363,42 @@ def test_the_largest_batch_search_brackets_the_limit(monkeypatch):
     assert nothing["largest_batch"] is None and nothing["smallest_failing_batch"] == 8
 
 
-def test_fsdp_on_eight_devices(tmp_path_factory, tmp_path, arrays32, arrays64):
-    """Every check that needs the 8-device runs, in one test: pytest-xdist would make a
-    module fixture once per worker, and these runs are the longest of the suite."""
-    out, root = eight_device_runs(tmp_path_factory, arrays32, arrays64)
-    check_fsdp_trains_as_the_replicated_run(out)
-    check_devices_hold_a_share_of_the_parameters_and_optimiser_state(out)
-    check_memory_analysis_shows_what_each_knob_saves(out)
+# The 8-device runs: three tests, each a chain of subprocesses of its own, so that
+# pytest-xdist runs them side by side (a module fixture would be made once per worker).
+
+@pytest.mark.slow
+def test_fsdp_4_x_data_2_trains_as_replicated_and_resumes_on_two_devices(tmp_path, arrays32):
+    """ResNet-18 on 8 CPU devices, replicated and with fsdp 4 x data 2 (one subprocess):
+    the same losses, each device a quarter of the bytes; the fsdp run's checkpoint at
+    step 3 resumes on 2 devices with fsdp=2."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    out = probe({"runs": layout_runs(root, "resnet", RESNET, arrays32, (1, 4))}, 8, tmp_path,
+                RESNET_BACKEND_LEVEL)
+    check_fsdp_trains_as_the_replicated_run(out, "resnet", 4)
+    check_devices_hold_a_share_of_the_parameters_and_optimiser_state(out, "resnet", 4)
     (tmp_path / "resume").mkdir()
     check_a_checkpoint_resumes_onto_another_layout(out, root, tmp_path / "resume")
+
+
+@pytest.mark.slow
+def test_fsdp_8_trains_as_replicated_in_one_process_and_in_two(tmp_path, arrays32):
+    """The ViT on 8 CPU devices, replicated and with fsdp=8 (one subprocess): the same
+    losses, each device an eighth of the bytes; then fsdp=8 over two processes."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    out = probe({"runs": layout_runs(root, "vit", VIT, arrays32, (1, 8))}, 8, tmp_path)
+    check_fsdp_trains_as_the_replicated_run(out, "vit", 8)
+    check_devices_hold_a_share_of_the_parameters_and_optimiser_state(out, "vit", 8)
     (tmp_path / "two").mkdir()
     check_two_processes_of_four_devices_train_with_fsdp(out, tmp_path / "two", arrays32)
+
+
+@pytest.mark.slow
+def test_memory_analysis_on_eight_devices(tmp_path, arrays32):
+    """bench --memory's analysis (memory.step_memory) of cifar_cnn's step, batch 256 (32
+    a device), plain and with each knob, compiled for shapes only."""
+    base = dict(model="cifar_cnn", npz=str(arrays32), batch_size=256)
+    memory = [dict(base, name="baseline"), dict(base, name="accumulate4", accumulate_steps=4),
+              dict(base, name="remat", remat=True), dict(base, name="fsdp8", fsdp=8)]
+    check_memory_analysis_shows_what_each_knob_saves(probe({"memory": memory}, 8, tmp_path))

@@ -1,0 +1,38 @@
+"""Less LLVM optimisation for the programs of test_parallel.py, test_scale.py and
+test_replicas.py: in their subprocesses (XLA_FLAGS) and while their tests run in this
+process (in_process).
+
+On the CPU most of a model's compile time is LLVM optimising the generated code, the
+threefry kernels of a random init most of all: ResNet-18's init compiles in 13 s at
+XLA's default (-O2) and in 2.6 s at -O0, the seed CNN recipe's whole main.py run takes
+12 s of CPU instead of 7.5. At -O0 the programs run about 2x slower, which runs of a few
+small steps do not notice; at -O1 they compile almost as fast and run as fast as at -O2
+(ResNet-18's steps on 8 CPU devices: -O0 would cost more than it saves). XLA's own passes
+(SPMD partitioning, fusion, collectives) are the same at every level, and so is what the
+tests check; results differ from -O2's by float rounding only (like those of another
+device count), so every run a test compares with another is compiled at the same level.
+"""
+import contextlib
+
+import jax
+
+LEVEL = 0  # XLA's LLVM optimisation level (--xla_backend_optimization_level) here
+
+
+def xla_flag(level: int = LEVEL) -> str:
+    return f"--xla_backend_optimization_level={level}"
+
+
+@contextlib.contextmanager
+def in_process():
+    """JAX's jax_disable_most_optimizations (-O0, LLVM's expensive passes off) for what
+    this process compiles meanwhile. The flag is no part of the keys of JAX's in-memory
+    caches (it is of the persistent cache's), so they are cleared afterwards: no program
+    compiled so is reused by other tests in this process."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+        jax.clear_caches()
