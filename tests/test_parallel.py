@@ -4,9 +4,13 @@ processes with 4 devices each (gloo collectives) for two machines.
 Each run is `python main.py` in a subprocess, because the device count is fixed
 when JAX starts. The recipe has BatchNorm (so the batch statistics must be taken
 over the global batch to match) and random flips and translations.
+
+A run that several checks need is made in the one test that checks them all: pytest-xdist
+would make a module fixture once per worker.
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import quick_compile
 
 import jaxtrain
 from jaxtrain import ConfigError
@@ -43,9 +48,12 @@ MLP = ("--config.model.name=mlp", "--config.model.batch_norm=True",
        "--config.model.hidden_sizes=(64,32)")
 
 
-def devices_env(count: int) -> dict:
+def devices_env(count: int, backend_level: int | None = None) -> dict:
+    """The environment of a subprocess with `count` CPU devices; backend_level: XLA's
+    LLVM optimisation level there (None: XLA's default; quick_compile.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}" + (
+        "" if backend_level is None else f" {quick_compile.xla_flag(backend_level)}")
     return env
 
 
@@ -64,7 +72,16 @@ def finish(process, timeout=300):
 
 
 def run_main(args, devices: int):
-    return finish(start_main(args, devices_env(devices)))
+    return finish(start_main(args, devices_env(devices, quick_compile.LEVEL)))
+
+
+def start_processes(args, count: int = 2, devices: int = 4, address: str | None = None) -> list:
+    """The `count` processes of one run, `devices` CPU devices each (gloo collectives), its
+    coordination service at `address` (default: a free port)."""
+    address = address or f"localhost:{free_port()}"
+    args = [*args, f"--coordinator_address={address}", f"--num_processes={count}"]
+    return [start_main([*args, f"--process_id={i}"], devices_env(devices, quick_compile.LEVEL))
+            for i in range(count)]
 
 
 def train_run(workdir, devices, *extra, data_dir):
@@ -80,40 +97,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory, cifar_batches_dir):
-    return train_run(tmp_path_factory.mktemp("one_device"), 1, data_dir=cifar_batches_dir)
-
-
-@pytest.fixture(scope="module")
-def eight_devices(tmp_path_factory, cifar_batches_dir):
-    return train_run(tmp_path_factory.mktemp("eight_devices"), 8, data_dir=cifar_batches_dir)
-
-
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, cifar_batches_dir):
-    """One run as two processes of 4 devices each, sharing a workdir (as on a shared
-    filesystem); returns (workdir, [result of process 0, result of process 1])."""
-    workdir = tmp_path_factory.mktemp("two_processes")
-    address = f"localhost:{free_port()}"
-    processes = [start_main([*RECIPE, f"--workdir={workdir}", f"--config.data.dir={cifar_batches_dir}",
-                             f"--coordinator_address={address}", "--num_processes=2",
-                             f"--process_id={i}"], devices_env(4)) for i in range(2)]
-    results = [finish(p) for p in processes]
-    for i, result in enumerate(results):
-        assert result.returncode == 0, f"process {i}:\n{result.stderr[-3000:]}"
-    return workdir, results
-
-
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batches_dir):
-    """SIGTERM to process 1 only: both save one checkpoint together and exit; a rerun resumes."""
-    address = f"localhost:{free_port()}"
-    args = [*RECIPE, "--config.train.num_steps=60", "--config.checkpoint.every_epochs=0",
+    """SIGTERM to process 1 only: both save one checkpoint together and exit; a rerun resumes.
+    (The signal comes after step 5's row, and the run stops at the end of a chunk of 5
+    steps: at step 10 or 15; every step is a collective of both processes, 0.3 s each.)"""
+    args = [*RECIPE, "--config.train.num_steps=30", "--config.checkpoint.every_epochs=0",
             "--config.train.chunk_steps=5",
-            f"--workdir={tmp_path}",
-            f"--config.data.dir={cifar_batches_dir}", f"--coordinator_address={address}",
-            "--num_processes=2"]
-    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
+            f"--workdir={tmp_path}", f"--config.data.dir={cifar_batches_dir}"]
+    address = f"localhost:{free_port()}"  # the rerun's too: the same command run again
+    processes = start_processes(args, address=address)
     metrics = tmp_path / report.METRICS_FILE
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
@@ -124,14 +117,14 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, cifar_batc
     assert [r.returncode for r in results] == [128 + signal.SIGTERM] * 2, results[0].stderr[-2000:]
     assert "interrupted by SIGTERM" in results[0].stderr
     steps = os.listdir(tmp_path / "checkpoints")
-    assert len(steps) == 1 and 5 <= int(steps[0]) < 60
+    assert len(steps) == 1 and 5 <= int(steps[0]) < 30
     assert not (tmp_path / report.SUMMARY_FILE).exists()
 
-    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
+    processes = start_processes(args, address=address)
     results = [finish(p) for p in processes]
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
     summary = json.loads((tmp_path / report.SUMMARY_FILE).read_text())
-    assert summary["resumed_from_step"] == int(steps[0]) and summary["steps"] == 60
+    assert summary["resumed_from_step"] == int(steps[0]) and summary["steps"] == 30
     # the stopped run's coordination service was released with it: the rerun did not wait
     # out the 70 s (2 x --peer_timeout + 10) it is kept for a lost process 0
     assert summary["phase_seconds"]["imports"] < 40, summary["phase_seconds"]
@@ -159,11 +152,9 @@ def test_a_stopped_run_releases_its_coordination_service():
 def start_two_and_wait_for_a_checkpoint(workdir, data_dir):
     """Two processes of a long run (a checkpoint every 5 steps, --peer_timeout=4), once
     the first checkpoint is on disk."""
-    address = f"localhost:{free_port()}"
-    args = [*RECIPE, "--config.train.num_steps=2000", "--config.checkpoint.every_steps=5",
-            f"--workdir={workdir}", f"--config.data.dir={data_dir}",
-            f"--coordinator_address={address}", "--num_processes=2", "--peer_timeout=4"]
-    processes = [start_main([*args, f"--process_id={i}"], devices_env(4)) for i in range(2)]
+    processes = start_processes([*RECIPE, "--config.train.num_steps=2000",
+                                 "--config.checkpoint.every_steps=5", f"--workdir={workdir}",
+                                 f"--config.data.dir={data_dir}", "--peer_timeout=4"])
     deadline = time.monotonic() + 240
     while not [n for n in os.listdir(workdir / "checkpoints") if n.isdigit()] if (
             workdir / "checkpoints").is_dir() else True:
@@ -180,6 +171,7 @@ def trainer_of(process) -> int:
     return int(children[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lost, how", [(0, "kill"), (1, "freeze")])
 def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_batches_dir,
                                                                 lost, how):
@@ -223,6 +215,7 @@ def test_when_a_process_is_lost_the_other_stops_with_a_message(tmp_path, cifar_b
     assert not Path(f"/proc/{trainer}").exists(), Path(f"/proc/{trainer}/status").read_text()
 
 
+@pytest.mark.slow
 def test_a_survivor_that_ends_inside_the_runtime_still_says_one_line(tmp_path,
                                                                      cifar_batches_dir):
     """Process 1 killed while a collective is in flight can end process 0 inside the
@@ -269,13 +262,59 @@ def assert_same_training(workdir, reference):
                                    rtol=PARAM_RTOL, err_msg=jax.tree_util.keystr(path))
 
 
-def test_eight_devices_match_one_device(one_device, eight_devices):
+@pytest.mark.slow
+def test_eight_devices_and_two_processes_match_one_device(tmp_path, cifar_batches_dir):
+    """The recipe's 10 steps on 1 device, on 8, and as 2 processes x 4 devices: the same
+    training, and only process 0 reports. The 8-device and the two-process checkpoints
+    evaluate on one device; the 8-device run's checkpoint at step 5 resumes on 1 device
+    to the same run; another seed on 8 devices is far outside the tolerance."""
+    one_device = train_run(tmp_path / "one", 1, data_dir=cifar_batches_dir)
+    eight_devices = train_run(tmp_path / "eight", 8, "--config.checkpoint.every_steps=5",
+                              data_dir=cifar_batches_dir)
     summary = json.loads((eight_devices / report.SUMMARY_FILE).read_text())
     assert summary["device_count"] == 8 and summary["process_count"] == 1
     assert json.loads((one_device / report.SUMMARY_FILE).read_text())["device_count"] == 1
     assert_same_training(eight_devices, one_device)
 
+    two_processes = tmp_path / "two"  # one workdir, as on a shared filesystem
+    first, second = [finish(p) for p in start_processes(
+        [*RECIPE, f"--workdir={two_processes}", f"--config.data.dir={cifar_batches_dir}"])]
+    for i, result in enumerate((first, second)):
+        assert result.returncode == 0, f"process {i}:\n{result.stderr[-3000:]}"
+    summary = json.loads((two_processes / report.SUMMARY_FILE).read_text())
+    assert (summary["device_count"], summary["process_count"]) == (8, 2)
+    assert_same_training(two_processes, one_device)
+    # only process 0 reports
+    assert "test_accuracy=" in first.stdout and "train_loss" in first.stdout
+    assert "processes=2" in first.stdout
+    assert "test_accuracy=" not in second.stdout and "train_loss" not in second.stdout
 
+    # a checkpoint from 8 devices (one process or two) evaluates on one
+    for workdir in (eight_devices, two_processes):
+        summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
+        result = run_main([*RECIPE, f"--workdir={workdir}",
+                           f"--config.data.dir={cifar_batches_dir}", "--mode=eval"], devices=1)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"test_accuracy={summary['test_accuracy']:.2%}" in result.stdout
+        assert "on 1 device)" in result.stdout
+
+    # training resumes on another device count: five steps on 8 devices (the 8-device run
+    # as its step-5 checkpoint left it), the other five on 1: the same run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(eight_devices, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "10")
+    (resumed / report.SUMMARY_FILE).unlink()
+    train_run(resumed, 1, "--config.checkpoint.every_steps=5", data_dir=cifar_batches_dir)
+    assert json.loads((resumed / report.SUMMARY_FILE).read_text())["resumed_from_step"] == 5
+    assert_same_training(resumed, one_device)
+
+    # another seed on 8 devices is far outside the tolerance: the matches above mean something
+    other = train_run(tmp_path / "other", 8, "--config.seed=1", data_dir=cifar_batches_dir)
+    with pytest.raises(AssertionError):
+        assert_same_training(other, one_device)
+
+
+@pytest.mark.slow
 def test_eight_devices_match_one_device_with_a_scanned_mlp(tmp_path, cifar_batches_dir):
     """The MLP runs each chunk as one lax.scan (the GPU path), the CNN a step per call."""
     one = train_run(tmp_path / "one", 1, *MLP, data_dir=cifar_batches_dir)
@@ -283,6 +322,7 @@ def test_eight_devices_match_one_device_with_a_scanned_mlp(tmp_path, cifar_batch
     assert_same_training(eight, one)
 
 
+@pytest.mark.slow
 def test_replicas_split_over_devices_or_with_their_batches_split_match_one_device(
         tmp_path, cifar_batches_dir):
     """Two seeds x two learning rates of the MLP: on 4 devices each device trains one
@@ -313,46 +353,7 @@ def test_replicas_split_over_devices_or_with_their_batches_split_match_one_devic
         "replicated", "split", "replicated"]
 
 
-def test_the_difference_is_not_hidden_by_the_tolerance(one_device, tmp_path, cifar_batches_dir):
-    """Another seed on 8 devices is far outside the tolerance: the match above means something."""
-    other = train_run(tmp_path, 8, "--config.seed=1", data_dir=cifar_batches_dir)
-    with pytest.raises(AssertionError):
-        assert_same_training(other, one_device)
-
-
-def test_two_processes_match_one_process(two_processes, one_device):
-    workdir, _ = two_processes
-    summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
-    assert (summary["device_count"], summary["process_count"]) == (8, 2)
-    assert_same_training(workdir, one_device)
-
-
-def test_only_process_zero_reports(two_processes):
-    _, (first, second) = two_processes
-    assert "test_accuracy=" in first.stdout and "train_loss" in first.stdout
-    assert "processes=2" in first.stdout
-    assert "test_accuracy=" not in second.stdout and "train_loss" not in second.stdout
-
-
-def test_a_checkpoint_from_eight_devices_evaluates_on_one(eight_devices, two_processes,
-                                                         cifar_batches_dir):
-    for workdir in (eight_devices, two_processes[0]):
-        summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
-        result = run_main([*RECIPE, f"--workdir={workdir}", f"--config.data.dir={cifar_batches_dir}",
-                           "--mode=eval"], devices=1)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"test_accuracy={summary['test_accuracy']:.2%}" in result.stdout
-        assert "on 1 device)" in result.stdout
-
-
-def test_training_resumes_on_another_device_count(one_device, tmp_path, cifar_batches_dir):
-    """Five steps on 8 devices, the other five on 1, from the checkpoint: the same run."""
-    train_run(tmp_path, 8, "--config.train.num_steps=5", data_dir=cifar_batches_dir)
-    train_run(tmp_path, 1, data_dir=cifar_batches_dir)
-    assert json.loads((tmp_path / report.SUMMARY_FILE).read_text())["resumed_from_step"] == 5
-    assert_same_training(tmp_path, one_device)
-
-
+@pytest.mark.slow
 def test_a_batch_that_does_not_split_over_the_devices_stops_with_a_message(
         tmp_path, cifar_batches_dir):
     result = run_main([*RECIPE, "--config.train.batch_size=100", f"--workdir={tmp_path}",
@@ -425,6 +426,7 @@ def test_incomplete_or_wrong_settings_are_named(kwargs, environ, message):
         processes_lib.distributed_settings(**kwargs, environ=environ)
 
 
+@pytest.mark.slow
 def test_main_reports_incomplete_settings_without_a_traceback(tmp_path):
     result = run_main([*RECIPE, f"--workdir={tmp_path}", "--num_processes=2"], devices=1)
     assert result.returncode != 0

@@ -1,6 +1,7 @@
 """Many runs in one program (train.replicas, sweep): each replica is its single run, the
 reports and checkpoints hold every replica, resume is exact, bad sweeps are refused."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-import test_checkpoint
+import quick_compile
 from overrides import with_overrides
 
 import jaxtrain
@@ -23,6 +24,13 @@ from jaxtrain.runtime import report
 from jaxtrain.training import replicas
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_quickly():
+    """XLA at -O0 for what this module's tests compile in this process (quick_compile.py)."""
+    with quick_compile.in_process():
+        yield
 
 
 def small_config(data_dir, **overrides):
@@ -72,6 +80,7 @@ OPTIMIZERS = {  # name -> overrides: each optimiser at a rate it trains this MLP
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_replica_is_its_single_run_with_every_optimizer(name, cifar_batches_dir, tmp_path):
     """Replica 1 of two (seed 1) against the single run with seed 1, 40 steps of an MLP
@@ -97,7 +106,7 @@ def test_a_replica_is_its_single_run_with_every_optimizer(name, cifar_batches_di
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-def test_a_sweep_of_a_shape_changing_key_is_refused_naming_it(tmp_path):
+def test_a_sweep_of_a_shape_changing_key_is_refused_naming_it():
     config = get_config()
     config.sweep.model = ml_collections.ConfigDict({"widths": ((32, 64, 64), (64, 128, 128))})
     with pytest.raises(ConfigError, match=r"sweep\.model\.widths: model\.widths changes the "
@@ -108,6 +117,10 @@ def test_a_sweep_of_a_shape_changing_key_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=r"sweep\.optimizer\.learning_rate=\(0\.1, -0\.1\): "
                                           r"must be \(\) or a tuple of values each > 0"):
         checks.check_config(config)
+
+
+@pytest.mark.slow
+def test_main_refuses_a_sweep_of_a_shape_changing_key_in_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py",
          f"--workdir={tmp_path}", "--config.sweep.train.batch_size=(32,64)"],
@@ -140,6 +153,7 @@ def assert_same_run(replicated_summary, replica, single_summary, replicated_dir,
                  params_of(replicated_dir, replica), params_of(single_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["seed_cnn", "mlp"])
 def test_replica_k_is_the_single_run_with_its_seed_and_settings(name, cifar_batches_dir,
                                                                  tmp_path):
@@ -184,6 +198,7 @@ def test_replica_k_is_the_single_run_with_its_seed_and_settings(name, cifar_batc
         jaxtrain.restore(str(tmp_path / "single"), replica=0)
 
 
+@pytest.mark.slow
 def test_a_learning_rate_sweep_is_three_runs_each_its_own_single_run(cifar_batches_dir,
                                                                       tmp_path, capsys):
     rates = (0.01, 0.03, 0.1)
@@ -223,9 +238,16 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
 
 
 def start_main(workdir, data_dir):
-    return test_checkpoint.start_main(workdir, data_dir, LONG_RUN)
+    """main.py with LONG_RUN's flags in a child process, XLA's LLVM backend at -O1 (its 600
+    steps run as fast as at -O2; quick_compile.py)."""
+    env = dict(os.environ, XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                             quick_compile.xla_flag(1)])))
+    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
+                             f"--config.data.dir={data_dir}"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_of_a_replicated_run_is_bit_identical(cifar_batches_dir, tmp_path):
     """Two seeds x two learning rates, killed past two checkpoints and run again: the
     same four runs, to the bit, as an uninterrupted run (the two run side by side)."""
