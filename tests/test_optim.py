@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,27 +179,46 @@ def test_muon_treats_a_tall_kernel_as_one_matrix_even_when_it_is_wide():
     np.testing.assert_allclose(params["w"], expected, rtol=1e-5, atol=1e-6)
 
 
-def speedrun_params():
-    """cifar_cnn's parameter tree (narrow, the speedrun's layers), with random values."""
-    from configs import cifar_speedrun
+@functools.cache
+def speedrun_shapes():
+    """cifar_cnn's parameter tree at the narrow speedrun's widths: its paths and shapes,
+    traced (jax.eval_shape), with no init program compiled or run."""
     from jaxtrain import models
+    model = models.create_model(narrow_speedrun_config().model, 10, jnp.float32)
+    images = jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)
+    return jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)[
+        "params"]
+
+
+def narrow_speedrun_config():
+    from configs import cifar_speedrun
     config = cifar_speedrun.get_config()
     config.model.widths = (8, 16, 16)
-    model = models.create_model(config.model, 10, jnp.float32)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)["params"]
-    return config, params
+    return config
+
+
+def speedrun_params():
+    """(the speedrun's config, narrow; cifar_cnn's parameter tree of its layers with random
+    values: weights at 1/sqrt(fan-in), vectors N(0, 0.2^2))."""
+    rng = np.random.default_rng(0)
+
+    def draw(leaf):
+        if len(leaf.shape) > 1:
+            return rng.standard_normal(leaf.shape) / np.sqrt(np.prod(leaf.shape[:-1]))
+        return 0.2 * rng.standard_normal(leaf.shape)
+    params = jax.tree.map(lambda leaf: jnp.asarray(draw(leaf), leaf.dtype), speedrun_shapes())
+    return narrow_speedrun_config(), params
 
 
 def run_steps(config, params, steps, total=10, frozen=("Conv_0/kernel",), seed=0):
     tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, total),
                                 frozen)
     state, history = tx.init(params), [params]
-    keys = jax.random.split(jax.random.key(seed), steps)
-    for key in keys:
-        leaves, tree = jax.tree.flatten(params)
-        grads = jax.tree.unflatten(tree, [jax.random.normal(k, p.shape) for k, p in
-                                          zip(jax.random.split(key, len(leaves)), leaves)])
-        updates, state = jax.jit(tx.update)(grads, state, params)
+    rng = np.random.default_rng(seed)  # NumPy's draws: no random-number program to compile
+    update = jax.jit(tx.update)
+    for _ in range(steps):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+        updates, state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
         history.append(params)
     return history
@@ -221,6 +242,7 @@ def test_the_speedrun_groups_cover_every_parameter_once():
     assert "default" not in by_path.values()
 
 
+@pytest.mark.slow  # compiles the optimiser's update (Muon and the groups)
 def test_each_group_gets_its_own_learning_rate():
     config, params = speedrun_params()
     config.optimizer.groups.filters.renormalize = False  # a renormalisation is not an lr step
@@ -235,6 +257,7 @@ def test_each_group_gets_its_own_learning_rate():
                                       for i in range(3) for j in range(2)}
 
 
+@pytest.mark.slow  # compiles the optimiser's update (Muon and the groups)
 def test_the_stem_bias_is_trained_for_its_first_steps_only():
     config, params = speedrun_params()
     config.optimizer.groups.stem_bias.train_steps = 2
@@ -251,6 +274,7 @@ def test_the_stem_bias_is_trained_for_its_first_steps_only():
     assert [float(schedule(s)) for s in range(4)] == pytest.approx([106.0, 53.0, 0.0, 0.0])
 
 
+@pytest.mark.slow  # compiles the optimiser's update (Muon and the groups)
 def test_renormalized_filters_keep_norm_sqrt_output_channels():
     config, params = speedrun_params()
     last = run_steps(config, params, 2)[-1]
