@@ -1,11 +1,12 @@
 """SIGINT and SIGTERM while a run trains, as a user's Ctrl-C or a scheduler's preemption
-reach it: the user's command (README's CPU recipe, configs/fashion_mnist_cnn.py) as a
-process of its own, the real signal sent during a chunk, at a chunk's end (before its
-evaluation) and during an evaluation. Every step already trained is saved, the rows
-and the MLflow run say what happened, and the rerun ends where the uninterrupted run
-does. (Signals before training: test_cli.py; during a checkpoint's write: test_cli.py;
-during an evaluation of a slower model: test_checkpoint.py. The seconds from signal to
-exit, measured: benchmarks/signal_latency.py.)"""
+reach it: the user's command (README's CPU recipe, configs/fashion_mnist_cnn.py; here
+narrower, without TTA, 120 steps with an evaluation after step 100, so that each process
+costs seconds) as a process of its own, the real signal sent during a chunk, at a chunk's
+end (before its evaluation) and during an evaluation. Every step already trained is
+saved, the rows and the MLflow run say what happened, and the rerun ends where the
+uninterrupted run does. (Signals before training: test_cli.py; during a checkpoint's
+write: test_cli.py; during an evaluation of another recipe at 64 px: test_checkpoint.py.
+The seconds from signal to exit, measured: benchmarks/signal_latency.py.)"""
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import filelock
 import pytest
 
 from jaxtrain.runtime import report
@@ -21,9 +23,12 @@ from jaxtrain.training import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = [sys.executable, "main.py", "--config=configs/fashion_mnist_cnn.py",
-           "--config.train.num_steps=300"]  # the issue's: an epoch (234 steps) and 66 more
+           "--config.train.num_steps=120", "--config.eval.every_steps=100",  # 234 an epoch
+           "--config.model.widths=(8,16,32)", "--config.eval.tta=none"]  # the recipe, cheaper
 CLOCKS = ("seconds", "input_wait_fraction")
 TABLE_HEADER = "  epoch     step"  # the console table's first line: training starts
+
+pytestmark = pytest.mark.slow  # every test here runs main.py, a few times
 
 
 def start(workdir, *flags):
@@ -69,14 +74,21 @@ def evaluated_steps(workdir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("uninterrupted")
-    done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "train.precision='auto': float32 on cpu (" in done.stdout
+def uninterrupted(tmp_path_factory, worker_id):
+    """The command run to its end: once for the whole session, whichever worker (pytest-xdist)
+    asks first; the others wait for it and read the same folder."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the workers' folders are in the session's own folder
+        shared = shared.parent
+    workdir = shared / "signals_uninterrupted"
+    with filelock.FileLock(str(shared / "signals_uninterrupted.lock")):
+        if not (workdir / report.SUMMARY_FILE).exists():
+            done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "train.precision='auto': float32 on cpu (" in done.stdout
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
-    assert summary["precision"] == "float32" and summary["steps"] == 300
+    assert summary["precision"] == "float32" and summary["steps"] == 120
     return workdir, summary
 
 
@@ -97,18 +109,21 @@ def rerun_ends_as(workdir, uninterrupted, resumed_from: int) -> str:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_a_chunk_saves_every_step_trained(uninterrupted, tmp_path, signum):
-    """Ctrl-C 3 s into the first chunk (an epoch): the chunk stops after the compiled call
-    in hand (train.chunk_seconds), its steps are saved, a row covers them. SIGINT's rerun
-    ends where the uninterrupted run does; SIGTERM's MLflow run ends KILLED."""
+    """Ctrl-C half a second into the first chunk (steps 1-100, seconds long): the chunk
+    stops after the compiled call in hand (train.chunk_seconds, here 0.5: the first call
+    is one step, the next ones about half a second each), its steps are saved, a row
+    covers them. SIGINT's rerun ends where the uninterrupted run does; SIGTERM's MLflow
+    run ends KILLED."""
     workdir = tmp_path / "run"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     flags = [f"--config.logging.mlflow={uri}"] if signum == signal.SIGTERM else []
-    out, err, seconds = signal_after_start(start(workdir, *flags), signum, 3.0)
+    out, err, seconds = signal_after_start(
+        start(workdir, "--config.train.chunk_seconds=0.5", *flags), signum, 0.5)
     assert seconds < 30, seconds  # about 2 s when idle: benchmarks/signal_latency.py
     line = stopped_line(err)
     assert line.startswith(f"stopped: interrupted by {signal.Signals(signum).name} at step ")
     step = int(line.split("at step ")[1].split(";")[0])
-    assert 0 < step < 234, line  # inside the first epoch's chunk
+    assert 0 < step < 100, line  # inside the first chunk
     assert line.endswith(f"checkpoint saved in {workdir / 'checkpoints'}/{step}. Run the same "
                          "command again to resume")
     assert checkpoint.saved_steps(str(workdir / "checkpoints")) == [step]
@@ -127,36 +142,39 @@ def test_a_signal_during_a_chunk_saves_every_step_trained(uninterrupted, tmp_pat
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_at_a_chunks_end_saves_it_before_any_evaluation(uninterrupted, tmp_path,
                                                                   signum):
-    """train.chunk_seconds=600: after its first step, the epoch's chunk is one compiled call
-    of about 10 s, which a signal does not cut; the run stops where it ends, at step 234,
-    saving it and skipping its evaluation. SIGTERM's rerun evaluates step 234 first and
-    ends where the uninterrupted run does."""
+    """train.chunk_seconds=600: after its first step (a call of a few hundredths of a
+    second), the first chunk (steps 1-100) is one compiled call of seconds, which a signal
+    a second in does not cut; the run stops where it ends, at step 100, saving it and
+    skipping its evaluation. SIGTERM's rerun evaluates step 100 first and ends where the
+    uninterrupted run does."""
     workdir = tmp_path / "run"
     out, err, seconds = signal_after_start(start(workdir, "--config.train.chunk_seconds=600"),
-                                           signum, 3.0)
+                                           signum, 1.0)
     assert stopped_line(err) == (
-        f"stopped: interrupted by {signal.Signals(signum).name} at step 234; checkpoint saved "
-        f"in {workdir / 'checkpoints'}/234. Run the same command again to resume")
-    assert checkpoint.saved_steps(str(workdir / "checkpoints")) == [234]
-    assert train_rows(workdir)[-1]["step"] == 234 and not evaluated_steps(workdir)
+        f"stopped: interrupted by {signal.Signals(signum).name} at step 100; checkpoint saved "
+        f"in {workdir / 'checkpoints'}/100. Run the same command again to resume")
+    assert checkpoint.saved_steps(str(workdir / "checkpoints")) == [100]
+    assert train_rows(workdir)[-1]["step"] == 100 and not evaluated_steps(workdir)
     if signum == signal.SIGTERM:
-        rerun_ends_as(workdir, uninterrupted, 234)
+        rerun_ends_as(workdir, uninterrupted, 100)
 
 
 def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
     """Step 5's checkpoint, then the evaluation of step 10 (six test-time views of 10,000
-    images: about 5 s): SIGINT during it stops after the test batch in hand, step 10 is
-    saved, and the rerun evaluates it before it trains on."""
+    images: about 4 s when idle, where steps 6-10 of 32 images take a few hundredths of
+    one): SIGINT a second after step 5's row stops it after the test batch in hand,
+    step 10 is saved, and the rerun evaluates it before it trains on."""
     workdir = tmp_path / "run"
-    flags = ["--config.train.num_steps=15", "--config.train.log_every_steps=5",
-             "--config.checkpoint.every_steps=5", "--config.eval.every_steps=10",
-             "--config.eval.tta=flip_translate", "--config.eval.batch_size=500"]
+    flags = ["--config.train.num_steps=15", "--config.train.batch_size=32",
+             "--config.train.log_every_steps=5", "--config.checkpoint.every_steps=5",
+             "--config.eval.every_steps=10", "--config.eval.tta=flip_translate",
+             "--config.eval.batch_size=500"]
     process = start(workdir, *flags)
     deadline = time.time() + 300
     while not (workdir / report.METRICS_FILE).exists() or not report.read_metrics(str(workdir)):
         assert process.poll() is None and time.time() < deadline, process.communicate()
         time.sleep(0.02)
-    time.sleep(2)  # steps 6-10 take a fraction of that; then the evaluation
+    time.sleep(1.0)  # steps 6-10 take a fraction of that; then the evaluation
     sent = time.time()
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)
@@ -177,14 +195,17 @@ def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
     assert summary["resumed_from_step"] == 10 and summary["steps"] == 15
 
 
-def test_a_save_killed_mid_write_is_simply_absent(tmp_path):
+def test_a_save_killed_mid_write_is_simply_absent(cifar_batches_dir, tmp_path):
     """SIGKILL the moment Orbax's temporary folder of the first checkpoint appears: that
     save never became a checkpoint (Orbax renames the folder only once it is whole), so
-    the rerun starts from the last whole one (none here) and finishes."""
+    the rerun starts from the last whole one (none here) and finishes. (The MLP recipe,
+    narrower, on the 2,000-image CIFAR-10 subset: only its checkpoints matter here.)"""
     workdir = tmp_path / "run"
     command = [sys.executable, "main.py", "--config=configs/fashion_mnist_mlp.py",
-               f"--workdir={workdir}", "--config.train.num_steps=200",
-               "--config.checkpoint.every_steps=50"]
+               f"--workdir={workdir}", "--config.data.name=cifar10",
+               f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
+               "--config.model.hidden_sizes=(32,)", "--config.eval.batch_size=250",
+               "--config.train.num_steps=60", "--config.checkpoint.every_steps=50"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     folder = workdir / "checkpoints"
@@ -199,5 +220,5 @@ def test_a_save_killed_mid_write_is_simply_absent(tmp_path):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
-    assert summary["steps"] == 200
+    assert summary["steps"] == 60
     assert summary["resumed_from_step"] == (whole[-1] if whole else None)
