@@ -1,7 +1,8 @@
 """Callbacks the tests name in config files (`recording_callback:Recorder`): they write
-what they are told to a JSON-lines file, stop at a step, or fail."""
+what they are told to a JSON-lines file, stop at a step, stall, or fail."""
 import json
 import os
+import time
 
 import jax
 
@@ -51,3 +52,19 @@ class StopAt(jaxtrain.Callback):
 class FailsAtEvaluation(jaxtrain.Callback):
     def on_evaluation(self, step, metrics):
         raise ValueError(f"no per-class accuracy at step {step}")
+
+
+class StallAt(jaxtrain.Callback):
+    """Once the evaluation of `step` is delivered (to the callbacks named before this one
+    too), creates the file `marker` and hangs until the process is killed: a run held at
+    a known point for a test's SIGKILL. A rerun, which finds the marker, goes on."""
+
+    def __init__(self, step, marker):
+        self.step, self.marker = step, marker
+
+    def on_evaluation(self, step, metrics):
+        if step >= self.step and not os.path.exists(self.marker):
+            with open(self.marker, "w"):
+                pass
+            while True:
+                time.sleep(1)
