@@ -3,6 +3,7 @@ import functools
 import json
 import os
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +14,21 @@ from overrides import with_overrides
 import jaxtrain
 from configs import cifar, cifar_seed_cnn, default
 from jaxtrain import ConfigError, TrainingError, data, models
+from jaxtrain.config import defaults
 from jaxtrain.run import loop
-from jaxtrain.runtime import report
+from jaxtrain.runtime import report, xla_cache
 from jaxtrain.training import augment, evaluation, optim, prepare, train_state
 from jaxtrain.training import chunks as chunks_lib
 from jaxtrain.training import step as step_lib
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def small_config(data_dir, base=cifar, **overrides):
@@ -34,41 +45,65 @@ def small_config(data_dir, base=cifar, **overrides):
     return with_overrides(config, overrides)
 
 
+def once_per_session(tmp_path_factory, worker_id, name, make):
+    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
+    (its JSON) by the others, so that a run several tests read is made once a session,
+    not once a worker. The persistent compilation cache is on in every worker that asks
+    (as a run turns it on), so that the programs a test compiles after the run are read
+    from it wherever the run was."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the workers' folders share the session's
+        root = root.parent
+    folder, result = root / name, root / f"{name}.json"
+    with filelock.FileLock(str(root / f"{name}.lock")):
+        if not result.exists():
+            result.write_text(json.dumps(make(folder)))
+    xla_cache.enable(cifar.get_config().train.compilation_cache)
+    return folder, json.loads(result.read_text())
+
+
+def short_config(data_dir):
+    return small_config(data_dir, train__log_every_steps=5, train__precision="float32")
+
+
 @pytest.fixture(scope="module")
-def short_run(cifar_batches_dir, tmp_path_factory):
+def short_run(cifar_batches_dir, tmp_path_factory, worker_id):
     """The scaled-down recipe in float32 (bfloat16 convolutions are about 20x slower on a
-    CPU: the bfloat16 test below is shorter)."""
-    workdir = tmp_path_factory.mktemp("short")
-    config = small_config(cifar_batches_dir, train__log_every_steps=10,
-                          train__precision="float32")
-    return workdir, config, loop.train_and_evaluate(config, str(workdir))
+    CPU: the bfloat16 test below is shorter); the summary train_and_evaluate returned."""
+    workdir, summary = once_per_session(
+        tmp_path_factory, worker_id, "short_run",
+        lambda workdir: loop.train_and_evaluate(short_config(cifar_batches_dir), str(workdir)))
+    return workdir, short_config(cifar_batches_dir), summary
 
 
+@pytest.mark.slow
 def test_short_run_learns_well_above_chance(short_run):
     _, _, summary = short_run
     assert summary["test_accuracy"] > 0.30  # chance is 0.10
     assert summary["steps"] == 80 and summary["epochs"] == 4
 
 
+@pytest.mark.slow
 def test_a_bfloat16_run_takes_the_float32_runs_steps_and_keeps_float32_weights(
         short_run, cifar_batches_dir, tmp_path):
     """The recipe's mixed precision on a GPU ('auto'), asked for here: computed in
-    bfloat16, the weights kept in float32; its first 10 steps are the float32 run's to
+    bfloat16, the weights kept in float32; its first 5 steps are the float32 run's to
     bfloat16's precision."""
-    config = small_config(cifar_batches_dir, train__log_every_steps=10, train__num_steps=10,
+    config = small_config(cifar_batches_dir, train__log_every_steps=5, train__num_steps=5,
                           eval__tta="none")
     assert config.train.precision == "auto"  # float32 here, on a CPU
     config.train.precision = "bfloat16"
     summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["precision"] == "bfloat16"
-    assert summary["steps"] == 10 and np.isfinite(summary["test_loss"])
+    assert summary["steps"] == 5 and np.isfinite(summary["test_loss"])
     bfloat16, float32 = ([row["train_loss"] for row in report.read_metrics(str(workdir))
-                          if row["step"] == 10] for workdir in (tmp_path, short_run[0]))
-    assert bfloat16 == pytest.approx(float32, rel=0.02)  # measured: 0.6% apart
+                          if row["step"] == 5] for workdir in (tmp_path, short_run[0]))
+    assert bfloat16 == pytest.approx(float32, rel=0.02)  # measured: 0.5% apart
     params = jaxtrain.restore(str(tmp_path)).state.params
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("float32")}
 
 
+@pytest.mark.slow
 def test_summary_json_has_what_users_compare(short_run):
     workdir, config, summary = short_run
     with open(workdir / "summary.json") as f:
@@ -78,17 +113,18 @@ def test_summary_json_has_what_users_compare(short_run):
                 "device_count", "jax_version", "config"):
         assert key in written, key
     assert written["test_accuracy"] == pytest.approx(summary["test_accuracy"])
-    assert written["config"]["train"]["log_every_steps"] == 10
+    assert written["config"]["train"]["log_every_steps"] == 5
     assert written["device_count"] == jax.device_count()
     assert written["jax_version"] == jax.__version__
     assert 0 < written["train_seconds"] < written["total_seconds"]
     assert written["compile_seconds"] > 0 and written["images_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_has_one_record_per_chunk(short_run):
     workdir, _, summary = short_run
     records = report.read_metrics(str(workdir))
-    assert [r["step"] for r in records] == list(range(10, 81, 10))
+    assert [r["step"] for r in records] == list(range(5, 81, 5))
     for r in records:
         assert {"step", "epoch", "train_loss", "train_accuracy", "learning_rate",
                 "seconds"} <= set(r)
@@ -100,18 +136,20 @@ def test_metrics_jsonl_has_one_record_per_chunk(short_run):
     assert seconds == sorted(seconds)
 
 
+@pytest.mark.slow
 def test_tensorboard_and_plot_are_written(short_run):
     from tensorboard.backend.event_processing import event_accumulator
 
     workdir, _, _ = short_run
     events = event_accumulator.EventAccumulator(str(workdir / report.TENSORBOARD_DIR))
     events.Reload()
-    assert [e.step for e in events.Scalars("train_loss")] == list(range(10, 81, 10))
+    assert [e.step for e in events.Scalars("train_loss")] == list(range(5, 81, 5))
     assert len(events.Scalars("test_accuracy")) == 4
     with open(workdir / report.PLOT_FILE, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_run_and_another_seed_does_not(cifar_batches_dir, tmp_path):
     def run(seed, name):  # every random draw: init, order, flips and shifts
         config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__batch_size=50,
@@ -125,6 +163,7 @@ def test_same_seed_gives_the_same_run_and_another_seed_does_not(cifar_batches_di
     assert a["test_loss"] != c["test_loss"]
 
 
+@pytest.mark.slow
 def test_scan_and_python_loops_compute_the_same_steps(cifar_batches_dir, tmp_path):
     results = {}
     for kind in ("scan", "python"):
@@ -140,6 +179,7 @@ def test_scan_and_python_loops_compute_the_same_steps(cifar_batches_dir, tmp_pat
                                                              rel=1e-4)
 
 
+@pytest.mark.slow
 def test_seed_recipe_learns_with_tiny_batches(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__batch_size=4,
                           train__num_epochs=2, train__log_every_steps=250,
@@ -149,6 +189,7 @@ def test_seed_recipe_learns_with_tiny_batches(cifar_batches_dir, tmp_path):
     assert summary["test_accuracy"] > 0.20
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_the_step(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, base=cifar_seed_cnn, train__num_steps=20,
                           optimizer__learning_rate=1e8)
@@ -157,13 +198,14 @@ def test_non_finite_loss_stops_with_the_step(cifar_batches_dir, tmp_path):
     assert os.path.exists(tmp_path / report.METRICS_FILE)
 
 
+@pytest.mark.slow
 def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    config = small_config(cifar_batches_dir)
+    config = small_config(cifar_batches_dir, model__widths=(8, 16, 16))
     model = models.create_model(config.model, 10, np.float32)
     tx = optim.create_optimizer(config.optimizer,
                                       optim.create_schedule(config.optimizer, 1))
-    state = train_state.create_train_state(jax.random.key(0), model, tx, (32, 32, 3))
+    state = made_up_state(model, tx, (32, 32, 3))
     results = []
     for batch_size in (500, 300, 7):
         arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, batch_size)
@@ -192,9 +234,10 @@ def test_bad_config_values_name_the_key(cifar_batches_dir, tmp_path, key, value,
         loop.train_and_evaluate(config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_whitened_stem_stays_fixed_while_the_rest_trains(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, model__stem_init="whiten", model__stem_width=8,
-                          train__num_epochs=1, eval__tta="none")
+                          model__widths=(8, 16, 16), train__num_epochs=1, eval__tta="none")
     run = prepare.setup(config)
     initial = jax.device_get(run.state.params)
     np.testing.assert_array_equal(initial["Conv_0"]["kernel"], run.stem_kernel)
@@ -204,6 +247,38 @@ def test_a_whitened_stem_stays_fixed_while_the_rest_trains(cifar_batches_dir, tm
     np.testing.assert_array_equal(trained["Conv_0"]["kernel"], run.stem_kernel)
     assert not np.allclose(trained["Conv_0"]["bias"], initial["Conv_0"]["bias"])
     assert not np.allclose(trained["Dense_0"]["kernel"], initial["Dense_0"]["kernel"])
+
+
+def made_up_state(model, tx, image_shape, seed=0):
+    """A TrainState of `model`'s variables as model.init shapes them (jax.eval_shape: no
+    init program compiled, which takes seconds for a CNN on a CPU), drawn by NumPy for
+    `seed`: weights at 1/sqrt(fan-in), BatchNorm's scales about 1, biases and means about
+    0, variances in [0.5, 2]."""
+    shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False),
+                            jax.ShapeDtypeStruct((1, *image_shape), jnp.float32))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if len(leaf.shape) > 1:
+            value = rng.standard_normal(leaf.shape) / np.sqrt(np.prod(leaf.shape[:-1]))
+        elif "'var'" in name:
+            value = rng.uniform(0.5, 2.0, leaf.shape)
+        elif "'scale'" in name:
+            value = 1 + 0.1 * rng.standard_normal(leaf.shape)
+        else:
+            value = 0.1 * rng.standard_normal(leaf.shape)
+        return np.asarray(value, leaf.dtype)
+    variables = jax.tree_util.tree_map_with_path(draw, shapes)
+    return jax.jit(lambda v: train_state.TrainState.create(
+        apply_fn=model.apply, params=v["params"], tx=tx,
+        batch_stats=v.get("batch_stats", {})))(variables)
+
+
+def host_copy(tree):
+    """A copy on the device through the host (no copy program compiled per shape, as
+    jnp.copy's are): for the chunks, which donate their input state."""
+    return jax.tree.map(lambda leaf: jnp.asarray(np.array(leaf)), tree)
 
 
 # ---------------------------------------------------------------- the epoch driver
@@ -241,6 +316,7 @@ def record_epoch(loop, augment_kwargs, epochs, n=12, batch=3):
     return x, key, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["scan", "python"])
 def test_alternating_flip_mirrors_base_xor_odd_epoch(monkeypatch, loop):
     monkeypatch.setattr(step_lib, "train_step", recording_step)
@@ -256,6 +332,7 @@ def test_alternating_flip_mirrors_base_xor_odd_epoch(monkeypatch, loop):
     np.testing.assert_array_equal(seen[0], seen[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["scan", "python"])
 def test_without_alternate_flip_the_epoch_keeps_its_old_order_and_keys(monkeypatch, loop):
     """The derivation from before the epoch driver: order and augmentation key from
@@ -275,6 +352,7 @@ def test_without_alternate_flip_the_epoch_keeps_its_old_order_and_keys(monkeypat
         np.testing.assert_array_equal(images, expected)
 
 
+@pytest.mark.slow
 def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
     """A small BatchNorm MLP trained by the real step: chunking is invisible, in both loops."""
     model_config = default.get_config().model
@@ -306,6 +384,7 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
                      result, reference)
 
 
+@pytest.mark.slow
 def test_a_paced_chunk_runs_in_calls_of_its_seconds_and_stops_between_them():
     """train.chunk_seconds: one while-loop program for every chunk length, run in calls
     sized by the time a step took; each step the scanned chunk's, bit for bit, and the
@@ -344,10 +423,11 @@ def test_a_paced_chunk_runs_in_calls_of_its_seconds_and_stops_between_them():
     assert out["per_step"]["loss"].shape == (2,) and int(state.step) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["seed_cnn", "mlp"])
 def test_replicas_trained_together_equal_their_single_runs(name):
     """compile_chunks(replicas=True): three runs with a leading replica axis (each its own
-    initialisation, order, flips and translations) end where each run alone does, float32,
+    initial weights, order, flips and translations) end where each run alone does, float32,
     BatchNorm, two epochs of chunks in both loops (issue #18's first step)."""
     model_config = default.get_config().model
     model_config.name, model_config.batch_norm, model_config.hidden_sizes = name, True, (32,)
@@ -361,9 +441,10 @@ def test_replicas_trained_together_equal_their_single_runs(name):
                        label_smoothing=0.1, augment_kwargs=dict(
                            flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
     seeds = (0, 1, 2)
-    singles = [train_state.create_train_state(jax.random.key(s), model, tx, shape) for s in seeds]
+    singles = [made_up_state(model, tx, shape, s) for s in seeds]
     keys = [jax.random.key(10 + s) for s in seeds]
-    together = jax.tree.map(lambda *leaves: jnp.stack(leaves), *singles)
+    together = jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]),
+                            *singles)
     stacked_keys = jnp.stack(keys)
 
     def train_two_epochs(run_chunk, state, key):
@@ -372,24 +453,29 @@ def test_replicas_trained_together_equal_their_single_runs(name):
             state, summary = run_chunk(state, key, epoch, 2, 2)
         return state, summary
 
+    single_runs = {}  # each loop's single program, compiled once, trains the three alone
+    for kind in ("scan", "python"):
+        run_single = chunks_lib.compile_chunks(kind, singles[0], x, y, keys[0], {2}, step_kwargs)
+        single_runs[kind] = [train_two_epochs(run_single, host_copy(s), k)
+                             for s, k in zip(singles, keys)]
     for kind, paced in (("scan", False), ("scan", True), ("python", False)):
         pace = chunks_lib.Pace(60.0) if paced else None
-        alone = [train_two_epochs(chunks_lib.compile_chunks(kind, s, x, y, k, {2}, step_kwargs),
-                                  jax.tree.map(jnp.copy, s), k) for s, k in zip(singles, keys)]
+        alone = single_runs[kind]
         run_chunk = chunks_lib.compile_chunks(kind, together, x, y, stacked_keys, {2}, step_kwargs,
                                               replicas=True, pace=pace, paced=paced)
-        state, summary = train_two_epochs(run_chunk, jax.tree.map(jnp.copy, together),
-                                          stacked_keys)
+        state, summary = train_two_epochs(run_chunk, host_copy(together), stacked_keys)
         losses = summary["per_step"]["loss"]
         assert losses.shape == (3, 2)
         for k, (single, single_summary) in enumerate(alone):
-            replica = jax.tree.map(lambda leaf: leaf[k], (state.params, state.batch_stats))
+            replica = jax.tree.map(lambda leaf: np.asarray(leaf)[k],
+                                   (state.params, state.batch_stats))
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                          replica, (single.params, single.batch_stats))
             np.testing.assert_allclose(losses[k], single_summary["per_step"]["loss"], rtol=1e-5)
         assert not np.allclose(losses[0], losses[1])  # runs of their own
 
 
+@pytest.mark.slow
 def test_a_skipped_step_uses_up_its_slot_of_the_schedule():
     """nonfinite='skip': the parameters and moments stay, but the schedule moves on with
     state.step, so the rate used next is schedule(state.step), the one the log shows."""
@@ -433,7 +519,7 @@ def tta_setup(cifar_subset):
     config.model.widths, config.model.stem_width = (8, 16, 16), 8
     config.model.head_scale = 30.0  # logits of order 1, so that TTA visibly changes them
     model = models.create_model(config.model, 10, jnp.float32)
-    state = train_state.create_train_state(jax.random.key(0), model, optax.sgd(0.1), (32, 32, 3))
+    state = made_up_state(model, optax.sgd(0.1), (32, 32, 3))
     # 500 images in batches of 200: 100 padding rows, random images (not black) so that
     # TTA would change their logits if they were ever picked
     arrays = list(prepare.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
@@ -462,6 +548,7 @@ def evaluate(state, arrays, tta, tta_images=None):
     return float(metrics["loss"]), float(metrics["accuracy"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tta", ["flip", "flip_translate"])
 def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
     state, arrays = tta_setup
@@ -472,6 +559,7 @@ def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup):
     state, (x, y, valid) = tta_setup
     assert prepare.tta_image_count(1.0, 500) is None and prepare.tta_image_count(0.0, 500) == 0
@@ -488,6 +576,7 @@ def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup)
     assert evaluate(state, (x, y, valid), "none", 50) == evaluate(state, (x, y, valid), "none")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction,count", [(0.1, 50), (0.99, 495)])
 def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup, fraction,
                                                                       count):
@@ -515,6 +604,7 @@ def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup,
     assert accuracy == pytest.approx(float(np.mean(mixed.argmax(-1)[valid] == labels[valid])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tta,tta_images", [("none", None), ("flip", None), ("flip", 50)])
 def test_the_batch_by_batch_evaluation_is_evaluate(tta_setup, tta, tta_images):
     """compile_evaluation (one call per batch: stoppable, with progress) computes what
@@ -571,6 +661,7 @@ def checkpoint_tree(workdir, step):
         os.path.join(workdir, "checkpoints", str(step), "state"))
 
 
+@pytest.mark.slow
 def test_the_ema_is_a_numpy_ema_of_the_parameter_history(cifar_batches_dir, tmp_path, capsys):
     decay = 0.7
     config = ema_config(cifar_batches_dir, train__ema_decay=decay)
@@ -602,18 +693,21 @@ def test_the_ema_is_a_numpy_ema_of_the_parameter_history(cifar_batches_dir, tmp_
                               jaxtrain.restore(str(tmp_path)).state.params["Dense_0"]["kernel"])
 
 
+@pytest.mark.slow
 def test_an_ema_of_decay_zero_is_the_weights_and_resume_stays_exact(cifar_batches_dir,
                                                                      tmp_path):
-    zero = loop.train_and_evaluate(ema_config(cifar_batches_dir, train__ema_decay=0.0),
-                                   str(tmp_path / "zero"))
+    """(A checkpoint every 5 steps here: only steps 5 and 10 are read.)"""
+    zero = loop.train_and_evaluate(ema_config(cifar_batches_dir, train__ema_decay=0.0,
+                                              checkpoint__every_steps=5), str(tmp_path / "zero"))
     tree = checkpoint_tree(str(tmp_path / "zero"), 10)
     jax.tree.map(np.testing.assert_array_equal, tree["ema"],
                  {"params": tree["params"], "batch_stats": tree["batch_stats"]})
     assert zero["test_accuracy_ema"] == zero["test_accuracy"]
     # Five steps, then resumed to ten: the raw weights and the EMA of the run in one go.
-    whole = ema_config(cifar_batches_dir, train__ema_decay=0.9)
+    whole = ema_config(cifar_batches_dir, train__ema_decay=0.9, checkpoint__every_steps=5)
     loop.train_and_evaluate(whole, str(tmp_path / "whole"))
-    loop.train_and_evaluate(with_overrides(ema_config(cifar_batches_dir, train__ema_decay=0.9),
+    loop.train_and_evaluate(with_overrides(ema_config(cifar_batches_dir, train__ema_decay=0.9,
+                                                      checkpoint__every_steps=5),
                                            {"train__num_steps": 5}), str(tmp_path / "parts"))
     resumed = loop.train_and_evaluate(whole, str(tmp_path / "parts"))
     assert resumed["resumed_from_step"] == 5
