@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import filelock
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -17,11 +18,21 @@ from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
+from jaxtrain.config import defaults
 from jaxtrain.run import evaluate_checkpoint, loop
-from jaxtrain.runtime import report
+from jaxtrain.runtime import report, xla_cache
 from jaxtrain.training import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def small_config(data_dir, **overrides):
@@ -44,13 +55,32 @@ def steps_saved(workdir):
     return sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
+def once_per_session(tmp_path_factory, worker_id, name, make):
+    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
+    (its JSON) by the others, so that a run several tests read is made once a session,
+    not once a worker. The persistent compilation cache is on in every worker that asks
+    (as a run turns it on), so that the programs a test compiles after the run are read
+    from it wherever the run was."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the workers' folders share the session's
+        root = root.parent
+    folder, result = root / name, root / f"{name}.json"
+    with filelock.FileLock(str(root / f"{name}.lock")):
+        if not result.exists():
+            result.write_text(json.dumps(make(folder)))
+    xla_cache.enable(cifar_seed_cnn.get_config().train.compilation_cache)
+    return folder, json.loads(result.read_text())
+
+
 @pytest.fixture(scope="module")
-def reference(cifar_batches_dir, tmp_path_factory):
-    """An uninterrupted 40-step run."""
-    workdir = tmp_path_factory.mktemp("reference")
-    return workdir, loop.train_and_evaluate(small_config(cifar_batches_dir), str(workdir))
+def reference(cifar_batches_dir, tmp_path_factory, worker_id):
+    """An uninterrupted 40-step run (the summary train_and_evaluate returned)."""
+    return once_per_session(tmp_path_factory, worker_id, "checkpoint_reference",
+                            lambda workdir: loop.train_and_evaluate(
+                                small_config(cifar_batches_dir), str(workdir)))
 
 
+@pytest.mark.slow
 def test_a_run_saves_checkpoints_and_a_params_hash(reference):
     workdir, summary = reference
     assert steps_saved(workdir) == [20, 30, 40]  # checkpoint.keep = 3
@@ -60,6 +90,7 @@ def test_a_run_saves_checkpoints_and_a_params_hash(reference):
     assert meta["class_names"][0] == "airplane" and len(meta["mean"]) == 3
 
 
+@pytest.mark.slow
 def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
         reference, cifar_batches_dir, tmp_path):
     ref_dir, ref = reference
@@ -77,6 +108,7 @@ def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
     assert train_losses(tmp_path) == train_losses(ref_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
         reference, cifar_batches_dir, tmp_path, damage):
@@ -110,34 +142,42 @@ def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
     assert (tmp_path / checkpoint.SET_ASIDE_DIR / "30" / "state").is_dir()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, tmp_path):
-    config = small_config(cifar_batches_dir, model__name="cifar_cnn", model__widths=(8, 8, 8),
-                          model__stem_width=4, train__num_steps=10)
+    """A BatchNorm MLP whose second layer is made wider (the model is not what is checked:
+    the recipe's record and the checkpoint's shapes are)."""
+    config = small_config(cifar_batches_dir, model__name="mlp", model__hidden_sizes=(8, 8),
+                          train__num_steps=10)
     loop.train_and_evaluate(config, str(tmp_path))
     before = (tmp_path / "metrics.jsonl").read_text()
-    config.model.widths = (8, 16, 8)
-    with pytest.raises(jaxtrain.ConfigError, match=r"another recipe \(model.widths: "
-                                                   r"\(8, 8, 8\) -> \(8, 16, 8\)\)"):
+    config.model.hidden_sizes = (8, 16)
+    with pytest.raises(jaxtrain.ConfigError, match=r"another recipe \(model.hidden_sizes: "
+                                                   r"\(8, 8\) -> \(8, 16\)\)"):
         loop.train_and_evaluate(config, str(tmp_path))  # config.json tells, before loading
     # Told to go on regardless, the checkpoint itself does not fit: it says where.
     config.checkpoint.allow_recipe_change = True
     with pytest.raises(jaxtrain.CheckpointError,
-                       match=r"'params/ConvBlock_1/BatchNorm_0/bias' has shape \(8,\) there "
+                       match=r"'params/BatchNorm_1/bias' has shape \(8,\) there "
                              r"and \(16,\) here"):
         loop.train_and_evaluate(config, str(tmp_path))
     with pytest.raises(jaxtrain.CheckpointError, match="different model"):
-        loop.train_and_evaluate(small_config(cifar_batches_dir,
+        loop.train_and_evaluate(small_config(cifar_batches_dir, model__batch_norm=False,
                                               checkpoint__allow_recipe_change=True),
-                                 str(tmp_path))
+                                 str(tmp_path))  # seed_cnn: its convolutions are not there
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert steps_saved(tmp_path) == [10]
 
 
+PLAIN_MLP = {"model__name": "mlp", "model__hidden_sizes": (16,), "model__batch_norm": False}
+
+
+@pytest.mark.slow
 def test_non_finite_loss_keeps_the_last_good_checkpoint(cifar_batches_dir, tmp_path):
-    loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=10,
-                                          model__batch_norm=False), str(tmp_path))
+    """An MLP without BatchNorm (nothing holds its activations back) at lr 1e12."""
+    loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=10, **PLAIN_MLP),
+                            str(tmp_path))
     config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
-                          model__batch_norm=False, checkpoint__allow_recipe_change=True)
+                          checkpoint__allow_recipe_change=True, **PLAIN_MLP)
     with pytest.raises(jaxtrain.TrainingError, match=r"non-finite training loss at step \d+"):
         loop.train_and_evaluate(config, str(tmp_path))
     assert steps_saved(tmp_path) == [10]
@@ -146,9 +186,10 @@ def test_non_finite_loss_keeps_the_last_good_checkpoint(cifar_batches_dir, tmp_p
     assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(classifier.state.params))
 
 
+@pytest.mark.slow
 def test_skip_policy_skips_non_finite_steps(cifar_batches_dir, tmp_path):
     config = small_config(cifar_batches_dir, optimizer__learning_rate=1e12,
-                          model__batch_norm=False, train__nonfinite="skip", train__num_steps=20)
+                          train__nonfinite="skip", train__num_steps=20, **PLAIN_MLP)
     summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["steps"] == 20
     skipped = sum(r.get("skipped_steps", 0) for r in report.read_metrics(str(tmp_path)))
@@ -161,6 +202,7 @@ def test_a_workdir_that_cannot_hold_checkpoints_is_a_clear_error(cifar_batches_d
         loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
 
 
+@pytest.mark.slow
 def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(
         cifar_batches_dir, tmp_path, monkeypatch):
     real_save = ocp.CheckpointManager.save
@@ -178,6 +220,7 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(
     assert jaxtrain.restore(str(tmp_path)).step == 20
 
 
+@pytest.mark.slow
 def test_eval_mode_reports_what_the_run_recorded(reference, cifar_batches_dir, cifar_subset):
     workdir, _ = reference
     recorded = {r["step"]: r for r in report.read_metrics(str(workdir)) if "test_loss" in r}
@@ -195,6 +238,7 @@ def test_eval_mode_reports_what_the_run_recorded(reference, cifar_batches_dir, c
     assert older["test_accuracy"] != newest["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_restore_api_classifies_uint8_images(reference, cifar_subset):
     workdir, summary = reference
     classifier = jaxtrain.restore(str(workdir))
@@ -208,6 +252,7 @@ def test_restore_api_classifies_uint8_images(reference, cifar_subset):
         classifier.predict(cifar_subset["x_test"].astype(np.float32))
 
 
+@pytest.mark.slow
 def test_plain_orbax_restores_the_parameters(reference):
     workdir, _ = reference
     snippet = (
@@ -226,9 +271,9 @@ def test_plain_orbax_restores_the_parameters(reference):
 
 LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
             "--config.model.batch_norm=True", "--config.augment.flip=True",
-            "--config.train.batch_size=4", "--config.train.num_steps=3000",
-            "--config.train.log_every_steps=100", "--config.checkpoint.every_steps=500",
-            "--config.eval.every_epochs=0"]
+            "--config.train.batch_size=4", "--config.train.num_steps=1500",
+            "--config.train.log_every_steps=50", "--config.checkpoint.every_steps=250",
+            "--config.eval.every_epochs=0"]  # 500 steps an epoch
 
 
 def start_main(workdir, data_dir, run=LONG_RUN):
@@ -250,17 +295,19 @@ def wait_for_step(workdir, step, process, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def long_reference(cifar_batches_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("long_reference")
-    process = start_main(workdir, cifar_batches_dir)
-    out, err = process.communicate(timeout=600)
-    assert process.returncode == 0, err
-    return json.loads((workdir / "summary.json").read_text())
+def long_reference(cifar_batches_dir, tmp_path_factory, worker_id):
+    def run(workdir):
+        process = start_main(workdir, cifar_batches_dir)
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        return json.loads((workdir / "summary.json").read_text())
+    return once_per_session(tmp_path_factory, worker_id, "long_reference", run)[1]
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_is_bit_identical(long_reference, cifar_batches_dir, tmp_path):
     process = start_main(tmp_path, cifar_batches_dir)
-    wait_for_step(tmp_path, 1300, process)  # the test's arbitrary point: past two checkpoints
+    wait_for_step(tmp_path, 650, process)  # the test's arbitrary point: past two checkpoints
     process.kill()
     process.wait()
     assert not (tmp_path / "summary.json").exists()
@@ -269,18 +316,19 @@ def test_sigkill_then_rerun_is_bit_identical(long_reference, cifar_batches_dir, 
     assert rerun.returncode == 0, err
     assert "resumed from checkpoint step" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["resumed_from_step"] >= 1000
+    assert summary["resumed_from_step"] >= 500
     assert summary["params_sha256"] == long_reference["params_sha256"]
     for key in ("test_accuracy", "test_loss", "train_loss", "steps"):
         assert summary[key] == long_reference[key], key
-    assert [r["step"] for r in report.read_metrics(str(tmp_path))] == list(range(100, 3001, 100))
+    assert [r["step"] for r in report.read_metrics(str(tmp_path))] == list(range(50, 1501, 50))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_save_and_exit_with_a_message(long_reference, cifar_batches_dir,
                                                          tmp_path, signum):
     process = start_main(tmp_path, cifar_batches_dir)
-    wait_for_step(tmp_path, 700, process)
+    wait_for_step(tmp_path, 350, process)
     process.send_signal(signum)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 128 + signum
@@ -299,6 +347,7 @@ def test_sigterm_and_sigint_save_and_exit_with_a_message(long_reference, cifar_b
 
 # ---------------------------------------------------------------- the best checkpoint
 
+@pytest.mark.slow
 def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
         cifar_batches_dir, cifar_subset, tmp_path):
     """A constant, high learning rate: the test accuracy peaks before the last step. The
@@ -335,6 +384,7 @@ def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
     assert loop.train_and_evaluate(longer, str(tmp_path))["resumed_from_step"] == 80
 
 
+@pytest.mark.slow
 def test_which_best_needs_a_best_metric(reference):
     workdir, _ = reference
     with pytest.raises(ValueError, match=r"^which='best': the run in .* kept no best checkpoint"):
@@ -343,6 +393,7 @@ def test_which_best_needs_a_best_metric(reference):
 
 # ---------------------------------------------------------------- paths, finished runs
 
+@pytest.mark.slow
 def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
         cifar_subset, tmp_path, monkeypatch, capsys):
     """data.dir typed relative ('data/cifar.npz' from A) is stored absolute, so a rerun
@@ -386,10 +437,12 @@ def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
     assert resumed["steps"] == 6 and resumed["resumed_from_step"] == 4
 
 
+@pytest.mark.slow
 def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset, tmp_path):
-    """SIGTERM while step 2 is evaluated (about 20 s of cifar_cnn in bfloat16 with 6-view TTA
-    at 64 px on a CPU, after a step of about 2 s): the run stops after the batch in hand
-    instead of the whole evaluation, and keeps the steps trained: step 2's checkpoint."""
+    """SIGTERM while step 2 is evaluated (cifar_cnn at widths (16, 32, 64), 6-view TTA of
+    400 images at 64 px in batches of 10 on a CPU: seconds, after a step of a few
+    hundredths): the run stops after the batch in hand instead of the whole evaluation,
+    and keeps the steps trained: step 2's checkpoint."""
     def up(x):
         return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
     npz = tmp_path / "cifar64.npz"
@@ -401,10 +454,10 @@ def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset
          "--config.data.name=arrays", f"--config.data.dir={npz}", "--config.train.num_steps=3",
          "--config.train.batch_size=4", "--config.eval.every_steps=2",
          "--config.eval.batch_size=10", "--config.eval.tta_fraction=1.0",
-         "--config.train.chunk_steps=1", "--config.train.precision=bfloat16"], cwd=REPO,
+         "--config.train.chunk_steps=1", "--config.model.widths=(16,32,64)"], cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(workdir, 1, process)  # step 1's row: step 2 trains, then evaluates
-    time.sleep(8)
+    time.sleep(0.5)
     sent = time.time()
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
@@ -419,19 +472,24 @@ def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset
     assert [r["step"] for r in rows] == [1, 2] and not any("test_loss" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batches_dir,
                                                                       tmp_path):
     """The user's command again with more epochs: a finished run (a linear-decay schedule,
-    which the length changes) trains on from its last step, saying what that means; a
-    shorter length, or any other change, is still refused."""
+    which the length changes; here trained in this process, as the command would) trains
+    on from its last step, saying what that means; a shorter length, or any other change,
+    is still refused."""
+    from configs import fashion_mnist_mlp
+    first = fashion_mnist_mlp.get_config()
+    first.data.name, first.data.dir, first.data.source = "cifar10", str(cifar_batches_dir), "files"
+    first.model.hidden_sizes, first.train.num_epochs = (16,), 1
+    first.train.batch_size, first.eval.batch_size = 200, 250
+    assert loop.train_and_evaluate(first, str(tmp_path / "run"))["steps"] == 10
     command = [sys.executable, "main.py", "--config=configs/fashion_mnist_mlp.py",
                f"--workdir={tmp_path / 'run'}", "--config.data.name=cifar10",
                f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
                "--config.model.hidden_sizes=(16,)", "--config.train.batch_size=200",
                "--config.eval.batch_size=250"]
-    first = subprocess.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
     longer = subprocess.run([*command, "--config.train.num_epochs=2"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert longer.returncode == 0, longer.stderr[-2000:]
@@ -445,6 +503,7 @@ def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batc
     assert "holds checkpoints of another recipe (train.num_epochs: 2 -> 1)" in shorter.stderr
 
 
+@pytest.mark.slow
 def test_early_stopping_restores_the_best_weights_as_keras_does(cifar_batches_dir, tmp_path):
     """EarlyStopping(restore_best_weights=True) with checkpoint.best_metric=test_loss: the
     run ends with its best checkpoint's weights, and the summary has that evaluation's
@@ -474,6 +533,7 @@ def test_early_stopping_restores_the_best_weights_as_keras_does(cifar_batches_di
                                     EarlyStopping(restore_best_weights=True)])
 
 
+@pytest.mark.slow
 def test_a_resume_step_that_is_not_on_disk_names_those_that_are(reference, cifar_batches_dir,
                                                                 tmp_path):
     workdir, _ = reference
