@@ -5,8 +5,10 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,11 +20,20 @@ from jaxtrain.perf import hlo
 from jaxtrain.run import loop, projection, start
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import rows as rows_lib
-from jaxtrain.runtime import phases, report
+from jaxtrain.runtime import phases, report, xla_cache
 from jaxtrain.training import chunks, optim, prepare, train_state
 from jaxtrain.training import step as step_lib
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 # ---------------------------------------------------------------- chunks and rows
@@ -96,6 +107,7 @@ def test_channel_statistics_equal_numpy_over_the_whole_split():
 
 # ---------------------------------------------------------------- train.drop_finished_groups
 
+@pytest.mark.slow
 def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
     """Two replicas of a BatchNorm MLP whose first layer trains for 4 of 8 steps: the plan
     cut at step 4 (chunks.phased_chunks, as start.compile_training builds it) computes no
@@ -168,6 +180,7 @@ def test_a_cache_that_is_off_says_how_it_was_turned_off():
         " (persistent compilation cache off: train.compilation_cache='')")
 
 
+@pytest.mark.slow
 def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -189,27 +202,41 @@ def main_py(workdir, data_dir, home, *args):
     return subprocess.run(
         [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", "--config.data.source=files",
-         "--config.train.num_steps=20", *args], cwd=REPO, capture_output=True, text=True,
+         "--config.train.num_steps=20", "--config.model.name=mlp",
+         "--config.model.hidden_sizes=(32,)", *args], cwd=REPO, capture_output=True, text=True,
         timeout=300, env=dict(env, HOME=str(home)))
 
 
 @pytest.fixture(scope="module")
-def profiled_run(cifar_batches_dir, tmp_path_factory):
-    """20 steps, test points every 8 steps, 3 steps profiled; HOME is a fresh folder, so
-    the compilation cache starts empty. Then the same command again in a new workdir (the
-    same chunks of scanned steps: the same programs)."""
-    home, root = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("runs")
-    flags = ("--profile=3", "--config.eval.every_steps=8")
-    first = main_py(root / "first", cifar_batches_dir, home, *flags)
-    again = main_py(root / "again", cifar_batches_dir, home, *flags)
-    return home, root, first, again
+def profiled_run(cifar_batches_dir, tmp_path_factory, worker_id):
+    """20 steps of the seed recipe with an MLP (programs that compile in a second, no
+    oneDNN to build in the fresh HOME), test points every 8 steps, 3 steps profiled; HOME
+    is a fresh folder, so the compilation cache starts empty. Then the same command again
+    in a new workdir (the same chunks of scanned steps: the same programs). Run once a
+    session: the first pytest-xdist worker that asks runs it, the others read its output."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the workers' folders share the session's
+        root = root.parent
+    root, outputs = root / "profiled_run", root / "profiled_run.json"
+    with filelock.FileLock(str(outputs) + ".lock"):
+        if not outputs.exists():
+            home = root / "home"
+            home.mkdir(parents=True)
+            flags = ("--profile=3", "--config.eval.every_steps=8")
+            done = [main_py(root / name, cifar_batches_dir, home, *flags)
+                    for name in ("first", "again")]
+            outputs.write_text(json.dumps([{"returncode": d.returncode, "stdout": d.stdout,
+                                            "stderr": d.stderr} for d in done]))
+    first, again = (types.SimpleNamespace(**d) for d in json.loads(outputs.read_text()))
+    return root / "home", root, first, again
 
 
+@pytest.mark.slow
 def test_the_console_names_each_phase_as_it_ends(profiled_run):
     _, root, first, _ = profiled_run
     assert first.returncode == 0, first.stderr[-2000:]
     lines = first.stdout.splitlines()
-    starts = ["imported JAX, Flax and jaxtrain in ", "loaded cifar10 from ", "built seed_cnn (",
+    starts = ["imported JAX, Flax and jaxtrain in ", "loaded cifar10 from ", "built mlp (",
               "compiled the training and evaluation programs in "]
     found = [next(i for i, line in enumerate(lines) if line.startswith(prefix))
              for prefix in starts]
@@ -218,6 +245,7 @@ def test_the_console_names_each_phase_as_it_ends(profiled_run):
     assert not any(line.startswith("projected:") for line in lines)  # a short run says none
 
 
+@pytest.mark.slow
 def test_the_summary_accounts_for_the_whole_process(profiled_run):
     _, root, first, _ = profiled_run
     summary = json.loads((root / "first" / report.SUMMARY_FILE).read_text())
@@ -230,6 +258,7 @@ def test_the_summary_accounts_for_the_whole_process(profiled_run):
     assert summary["eval_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_rows_for_a_curve_and_test_points_every_n_steps(profiled_run):
     _, root, first, _ = profiled_run
     rows = report.read_metrics(str(root / "first"))
@@ -243,6 +272,7 @@ def test_rows_for_a_curve_and_test_points_every_n_steps(profiled_run):
         assert image.size == (1500, 400)  # loss, accuracy and learning-rate panels
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_and_prints_the_costliest_ops(profiled_run):
     _, root, first, _ = profiled_run
     profile_dir = root / "first" / loop.PROFILE_DIR
@@ -257,6 +287,7 @@ def test_profile_writes_a_trace_and_prints_the_costliest_ops(profiled_run):
     assert len(summary["profile"]["top_ops"]) == 10
 
 
+@pytest.mark.slow
 def test_the_second_run_reads_its_programs_from_the_cache(profiled_run):
     home, root, first, again = profiled_run
     assert again.returncode == 0, again.stderr[-2000:]
@@ -274,6 +305,7 @@ def test_the_second_run_reads_its_programs_from_the_cache(profiled_run):
     assert summary["params_sha256"] == before["params_sha256"]
 
 
+@pytest.mark.slow
 def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
     snippet = ("import sys\n"
                "import jaxtrain.__main__, jaxtrain.run.loop, jaxtrain.runtime.report\n"
@@ -286,6 +318,7 @@ def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_a_long_run_says_its_projected_time_once_within_its_first_chunk(
         cifar_batches_dir, tmp_path, monkeypatch, capsys):
     """Past projection.LONG_RUN_SECONDS (here 0 s) one line says how long is left, after a
@@ -313,6 +346,7 @@ def test_durations_read_as_hours_and_minutes():
         "45 min", "3 h 20 min", "10 min"]
 
 
+@pytest.mark.slow
 def test_the_progress_bar_moves_after_every_compiled_call(cifar_batches_dir, tmp_path,
                                                           monkeypatch):
     """A CPU's scanned chunk (an epoch here) runs in calls of train.chunk_seconds (tiny
@@ -329,6 +363,7 @@ def test_the_progress_bar_moves_after_every_compiled_call(cifar_batches_dir, tmp
     assert seen == list(range(1, 13)) and summary["steps"] == 12
 
 
+@pytest.mark.slow
 def test_a_chunk_past_the_pace_makes_the_rest_of_the_run_paced(cifar_batches_dir, tmp_path,
                                                                 monkeypatch, capsys):
     """A GPU's way (its chunks whole until one takes longer than train.chunk_seconds),

@@ -3,22 +3,37 @@ the benchmark's run is main.py's run, and it resumes exactly; with
 train.drop_finished_groups, the programs after the stem bias's last step drop its
 gradient and end with the same weights."""
 import io
+import json
 import re
 import shutil
 import types
 
+import filelock
 import jax
 import numpy as np
 import pytest
 from overrides import with_overrides
 
 from configs import cifar_speedrun
+from jaxtrain.config import defaults
 from jaxtrain.perf import benchmark, hlo
 from jaxtrain.run import loop, start
 from jaxtrain.run import plan as plan_lib
+from jaxtrain.runtime import xla_cache
 from jaxtrain.training import checkpoint, prepare
 
 SEED = 3
+
+pytestmark = pytest.mark.slow  # every test here trains or compiles the recipe
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def narrow_speedrun(data_dir, **overrides):
@@ -38,11 +53,28 @@ def narrow_speedrun(data_dir, **overrides):
     return with_overrides(config, overrides)
 
 
+def once_per_session(tmp_path_factory, worker_id, name, make):
+    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
+    (its JSON) by the others, so that a run several tests read is made once a session,
+    not once a worker. The persistent compilation cache is on in every worker that asks
+    (as a run turns it on), so that the programs a test compiles after the run are read
+    from it wherever the run was."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the workers' folders share the session's
+        root = root.parent
+    folder, result = root / name, root / f"{name}.json"
+    with filelock.FileLock(str(root / f"{name}.lock")):
+        if not result.exists():
+            result.write_text(json.dumps(make(folder)))
+    xla_cache.enable(cifar_speedrun.get_config().train.compilation_cache)
+    return folder, json.loads(result.read_text())
+
+
 @pytest.fixture(scope="module")
-def main_run(cifar_batches_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("speedrun")
+def main_run(cifar_batches_dir, tmp_path_factory, worker_id):
     config = narrow_speedrun(cifar_batches_dir, checkpoint__every_steps=10)
-    return workdir, loop.train_and_evaluate(config, str(workdir))
+    return once_per_session(tmp_path_factory, worker_id, "speedrun_main_run",
+                            lambda workdir: loop.train_and_evaluate(config, str(workdir)))
 
 
 def test_a_benchmark_run_of_the_record_recipe_is_main_py_s_run(cifar_batches_dir, main_run):
@@ -101,15 +133,17 @@ def copy_run(source, target, keep_up_to: int):
 
 
 @pytest.fixture(scope="module")
-def dropped_run(cifar_batches_dir, main_run, tmp_path_factory):
+def dropped_run(cifar_batches_dir, main_run, tmp_path_factory, worker_id):
     """main_run resumed from its step-10 checkpoint (before the stem bias's last step, 15)
     with train.drop_finished_groups=True, which may change on a resume (the same run)."""
     reference_dir, _ = main_run
-    workdir = tmp_path_factory.mktemp("dropped")
-    copy_run(reference_dir, workdir, keep_up_to=10)
     config = narrow_speedrun(cifar_batches_dir, checkpoint__every_steps=10,
                              train__drop_finished_groups=True)
-    return workdir, loop.train_and_evaluate(config, str(workdir))
+
+    def run(workdir):
+        copy_run(reference_dir, workdir, keep_up_to=10)
+        return loop.train_and_evaluate(config, str(workdir))
+    return once_per_session(tmp_path_factory, worker_id, "speedrun_dropped_run", run)
 
 
 def test_dropping_the_finished_stem_bias_keeps_the_masked_run_s_weights(main_run, dropped_run):
@@ -136,10 +170,11 @@ def test_the_plan_and_the_programs_are_cut_at_the_stem_bias_s_last_step(cifar_ba
                                                                           dropped_run):
     """The chunk plan ends a chunk at step 15; the program after it has one convolution
     fewer: the first block's input gradient, which only the stem's bias needed (the
-    whitened stem's kernel is frozen, so it never needed one). After dropped_run, whose
-    programs these are: they come from the compilation cache."""
+    whitened stem's kernel is frozen, so it never needed one). Compiled for the state's
+    shapes (abstract_state: no initial weights computed), after dropped_run, which ran
+    programs cut there."""
     config = narrow_speedrun(cifar_batches_dir, train__drop_finished_groups=True)
-    run = prepare.setup(config)
+    run = prepare.setup(config, abstract_state=True)  # the programs need the state's shapes
     cuts = start.finished_group_cuts(config, run)
     assert cuts == {15: frozenset({"Conv_0/bias"})}
     assert start.finished_group_cuts(narrow_speedrun(cifar_batches_dir), run) == {}
