@@ -84,6 +84,7 @@ def test_forward_statistics_and_gradients_match_flax(dtype, flavour, running):
         np.testing.assert_allclose(dx_lean, dx_flax, rtol=2 ** -7, atol=2 ** -7 * largest)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_scale", [True, False])
 def test_bfloat16_input_gradient_is_as_close_to_float32_as_flaxs(use_scale):
     """Against the float32 gradient at the same (bfloat16-valued) input and the same
@@ -117,6 +118,7 @@ def reference_batch_normalize(x, scale, bias, epsilon):
     return y, mean, var
 
 
+@pytest.mark.slow
 def test_the_custom_vjps_are_the_gradients_of_every_output():
     """Cotangents on the batch statistics and on the running statistics too (zero in
     training, where only the loss is differentiated, but part of a correct VJP)."""
@@ -244,6 +246,7 @@ def global_norm(tree):
                        for leaf in jax.tree.leaves(tree)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,frozen", [(jnp.float32, False), (jnp.bfloat16, False),
                                           (jnp.bfloat16, True)],
                          ids=["f32", "bf16", "bf16-freeze_batch_stats"])

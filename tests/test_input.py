@@ -20,16 +20,25 @@ from overrides import with_overrides
 import jaxtrain
 from configs import cifar_seed_cnn
 from jaxtrain import data
-from jaxtrain.config import checks
+from jaxtrain.config import checks, defaults
 from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError
 from jaxtrain.run import loop
 from jaxtrain.runtime import mesh as mesh_lib
-from jaxtrain.runtime import report
+from jaxtrain.runtime import report, xla_cache
 from jaxtrain.training import batches, checkpoint, prepare
 from jaxtrain.training import step as step_lib
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def small_config(data_dir, **overrides):
@@ -116,6 +125,7 @@ def device_run(cifar_batches_dir, tmp_path_factory):
         small_config(cifar_batches_dir, data__placement="device"), str(workdir))
 
 
+@pytest.mark.slow
 def test_device_and_stream_end_with_identical_parameters(device_run, cifar_batches_dir, tmp_path,
                                                          capfd):
     """The two compiled programs differ (a gather inside the step, or a batch passed in),
@@ -195,6 +205,7 @@ def wait_for_step(workdir, step, process, timeout=300):
     raise AssertionError(f"step {step} not reached")
 
 
+@pytest.mark.slow
 def test_a_sigkilled_streaming_run_resumes_bit_identical(cifar_jpeg_folder, tmp_path):
     """Two epochs of 80 steps from JPEG files, 2 Grain workers; killed past step 90,
     resumed from the Grain iterator state of its newest checkpoint."""
@@ -229,6 +240,7 @@ def test_a_sigkilled_streaming_run_resumes_bit_identical(cifar_jpeg_folder, tmp_
         assert summary[key] == expected[key], key
 
 
+@pytest.mark.slow
 def test_a_corrupt_image_mid_epoch_names_the_file_and_keeps_the_checkpoint(cifar_jpeg_folder,
                                                                            tmp_path):
     root = tmp_path / "data"
@@ -289,6 +301,7 @@ print(json.dumps({"process": jax.process_index(), "devices": jax.local_device_co
 """
 
 
+@pytest.mark.slow
 def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -312,6 +325,7 @@ def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
 
 # ---------------------------------------------------------------- ImageNet's recipe
 
+@pytest.mark.slow
 def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path):
     result = subprocess.run(
         [sys.executable, "main.py", "--config=configs/imagenet_resnet50.py",
@@ -330,6 +344,7 @@ def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path
     assert [r["step"] for r in report.read_metrics(str(tmp_path))] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_bench_input_only_times_the_loader_alone(cifar_jpeg_folder, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtrain.bench", "--config=configs/imagenet_resnet50.py",

@@ -59,6 +59,7 @@ def reference_mix(images, targets, key, *, mixup=0.0, cutmix=0.0, mix_prob=1.0,
         "cutmix" if use_cutmix else "mixup", drawn, lam)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings, modes", [
     (dict(mixup=0.8), {"mixup"}),
     (dict(cutmix=1.0), {"cutmix"}),
@@ -150,6 +151,7 @@ def step_results(**mix):
     return jax.device_get((state.params, metrics))
 
 
+@pytest.mark.slow
 def test_train_steps_that_do_not_mix_are_bitwise_unchanged():
     """The mix's key is folded in, not split off: the augmentation and dropout keys, and
     so a run without mixing (alphas 0, or no batch drawn to mix), stay as they were."""
@@ -182,6 +184,7 @@ def mix_config(data_dir, **overrides):
     return with_overrides(config, overrides)
 
 
+@pytest.mark.slow
 def test_a_mixed_run_resumed_mid_epoch_ends_where_the_whole_run_did(cifar_batches_dir,
                                                                      tmp_path):
     whole = loop.train_and_evaluate(mix_config(cifar_batches_dir), str(tmp_path / "whole"))

@@ -11,12 +11,23 @@ import pytest
 from test_speedrun import narrow_speedrun
 
 from configs import cifar_speedrun
+from jaxtrain.config import defaults
 from jaxtrain.errors import ConfigError
 from jaxtrain.perf import hlo
+from jaxtrain.runtime import xla_cache
 from jaxtrain.training import checkpoint, chunks, optim, prepare, replicas
 
 FROZEN = ("Conv_0/kernel",)  # the speedrun's whitened stem
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def matrix_kernels(hlo_text: str) -> int:
@@ -73,6 +84,7 @@ def with_keys(config, **keys):
     return config
 
 
+@pytest.mark.slow
 def test_stacked_newton_schulz_takes_muon_s_steps_in_fewer_matrix_products():
     """The narrow speedrun's six filters are four shapes: four batched iterations instead
     of six, each kernel still orthogonalised and renormalised on its own."""
@@ -112,6 +124,7 @@ def train_twenty_steps(config, run, state):
     return kernels, kept, last, run_chunk
 
 
+@pytest.mark.slow
 def test_flattened_groups_train_the_speedrun_bit_for_bit_in_fewer_kernels(
         cifar_batches_dir, tmp_path):
     config = narrow_speedrun(cifar_batches_dir, train__num_steps=20)
@@ -145,6 +158,7 @@ def test_flattened_groups_train_the_speedrun_bit_for_bit_in_fewer_kernels(
         checkpoint.restore(manager, plain, run.data_key)
 
 
+@pytest.mark.slow
 def test_a_sweep_steps_each_replica_as_its_single_run_with_both_keys():
     """replicas.py: optax.inject_hyperparams rebuilds the optimiser from each replica's
     swept values inside jax.vmap; the stacked and flattened one too."""

@@ -15,16 +15,27 @@ from test_callbacks import mlp_config
 
 import jaxtrain
 from jaxtrain.callbacks.trackers import tracker
+from jaxtrain.config import defaults
 from jaxtrain.run import loop
-from jaxtrain.runtime import report
+from jaxtrain.runtime import report, xla_cache
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache on before this module compiles anything, as a
+    run turns it on (train.compilation_cache's default): a program compiled once in the
+    session (by another test, another worker, a run's own process) is then read from disk,
+    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def short_config(data_dir, **overrides):
     return mlp_config(data_dir, train__num_steps=40, eval__every_steps=20, **overrides)
 
 
+@pytest.mark.slow
 def test_mlflow_holds_the_params_every_row_the_summary_and_the_artifacts(cifar_batches_dir,
                                                                          tmp_path, capfd,
                                                                          cifar_subset):
@@ -97,6 +108,7 @@ def wandb_records(path: str) -> list:
     return parsed
 
 
+@pytest.mark.slow
 def test_wandb_offline_keeps_every_row_in_its_run_folder(cifar_batches_dir, tmp_path,
                                                          monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -113,6 +125,7 @@ def test_wandb_offline_keeps_every_row_in_its_run_folder(cifar_batches_dir, tmp_
     assert json.loads((tmp_path / tracker.TRACKING_FILE).read_text())["wandb"]
 
 
+@pytest.mark.slow
 def test_a_plain_run_imports_neither_tracker(cifar_batches_dir, tmp_path):
     script = f"""
 import sys
@@ -153,6 +166,7 @@ class FailsAt(jaxtrain.Callback):
             raise ValueError("the disk is full")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["signal", "failure"])
 def test_a_run_ended_by_a_signal_or_a_failure_ends_killed_or_failed(ending, cifar_batches_dir,
                                                                    tmp_path, monkeypatch):
