@@ -88,6 +88,62 @@ def write_tar(archive, members):
     return Path(archive)
 
 
+@pytest.fixture(scope="module")
+def compilation_cache():
+    """For a module that marks itself `usefixtures("compilation_cache")`: JAX's persistent
+    compilation cache on before it compiles anything, as a run turns it on: a program
+    compiled once in the session, by another test or worker, is read from disk."""
+    from jaxtrain.config import defaults
+    from jaxtrain.runtime import xla_cache
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
+
+
+@pytest.fixture(scope="module")
+def compile_quickly(compilation_cache):
+    """For a module that marks itself `usefixtures("compile_quickly")`: the compilation
+    cache on, and XLA at -O0 for what its tests compile in this process (quick_compile.py:
+    a CNN's init alone takes seconds at -O2). Every run a test there compares with another
+    is compiled so. Not for bit-for-bit comparisons of two different programs (XLA at -O0
+    may round them apart where -O2 does not)."""
+    import quick_compile
+    with quick_compile.in_process():
+        yield
+
+
+def normal(shape, seed):
+    """float32 N(0, 1) draws from NumPy: each eager jax.random call compiles a threefry
+    program of its own (a second or so apiece on a CPU)."""
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def session_root(tmp_path_factory, worker_id) -> Path:
+    """The folder every pytest-xdist worker of this session shares (a worker's own base
+    folder is inside it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root if worker_id == 'master' else root.parent
+
+
+def once_per_session(tmp_path_factory, worker_id, name, make):
+    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
+    (its JSON) by the others, so that a run several tests read is made once a session,
+    not once a worker. The persistent compilation cache is on in every worker that asks
+    (as a run turns it on), so that the programs a test compiles after the run are read
+    from it wherever the run was."""
+    import json
+
+    import filelock
+
+    from jaxtrain.config import defaults
+    from jaxtrain.runtime import xla_cache
+    root = session_root(tmp_path_factory, worker_id)
+    folder, result = root / name, root / f'{name}.json'
+    with filelock.FileLock(str(root / f'{name}.lock')):
+        if not result.exists():
+            result.write_text(json.dumps(make(folder)))
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
+    return folder, json.loads(result.read_text())
+
+
 def init_compiled(model, x):
     """A Flax model's variables (key 0, train=False) from one compiled init call, as training
     makes them: op by op, each op of a CNN's init compiles on its own (several times slower
@@ -184,9 +240,16 @@ def write_cifar():
 
 
 @pytest.fixture(scope='session')
-def cifar_batches_dir(tmp_path_factory, cifar_subset):
-    """Root dir (what users pass as data.dir) holding cifar-10-batches-py/ with str keys."""
-    return write_cifar_batches(tmp_path_factory.mktemp('cifar_str_keys'), cifar_subset)
+def cifar_batches_dir(tmp_path_factory, worker_id, cifar_subset):
+    """Root dir (what users pass as data.dir) holding cifar-10-batches-py/ with str keys; one
+    folder for every worker of the session, so that a run made once a session
+    (once_per_session) has the data.dir of every test that reads it."""
+    root = session_root(tmp_path_factory, worker_id) / 'cifar_str_keys'
+    import filelock
+    with filelock.FileLock(f'{root}.lock'):
+        if not (root / 'cifar-10-batches-py' / 'batches.meta').exists():  # written last
+            write_cifar_batches(root, cifar_subset)
+    return root
 
 
 @pytest.fixture(scope='session')

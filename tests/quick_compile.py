@@ -1,6 +1,6 @@
-"""Less LLVM optimisation for the programs of test_parallel.py, test_scale.py and
-test_replicas.py: in their subprocesses (XLA_FLAGS) and while their tests run in this
-process (in_process).
+"""Less LLVM optimisation for the programs the tests compile: in their subprocesses
+(XLA_FLAGS, `env`) and while a module's tests run in this process (`in_process`, the
+`compile_quickly` fixture of conftest.py).
 
 On the CPU most of a model's compile time is LLVM optimising the generated code, the
 threefry kernels of a random init most of all: ResNet-18's init compiles in 13 s at
@@ -13,6 +13,7 @@ tests check; results differ from -O2's by float rounding only (like those of ano
 device count), so every run a test compares with another is compiled at the same level.
 """
 import contextlib
+import os
 
 import jax
 
@@ -21,6 +22,15 @@ LEVEL = 0  # XLA's LLVM optimisation level (--xla_backend_optimization_level) he
 
 def xla_flag(level: int = LEVEL) -> str:
     return f"--xla_backend_optimization_level={level}"
+
+
+def env(level: int = LEVEL, base=None) -> dict:
+    """`base` (default: this process's environment) with XLA's LLVM backend at -O`level`
+    added to its XLA_FLAGS: -O1 for a child's runs of hundreds of steps (compiled almost as
+    fast as at -O0, run as fast as at -O2), -O0 for a few steps."""
+    base = dict(os.environ if base is None else base)
+    base["XLA_FLAGS"] = " ".join(filter(None, [base.get("XLA_FLAGS"), xla_flag(level)]))
+    return base
 
 
 @contextlib.contextmanager

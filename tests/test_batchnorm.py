@@ -12,6 +12,9 @@ from jaxtrain import models
 from jaxtrain.config import checks, defaults
 from jaxtrain.models.ops import batchnorm
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
+
 KEY = jax.random.key(0)
 FLAVOURS = [dict(), dict(use_scale=False), dict(use_bias=False)]
 

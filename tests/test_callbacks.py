@@ -10,34 +10,28 @@ import sys
 import time
 from pathlib import Path
 
-import filelock
 import ml_collections
 import numpy as np
 import pytest
+import quick_compile
+from conftest import once_per_session
 from overrides import with_overrides
 
 from configs import cifar_seed_cnn
 from jaxtrain.callbacks import base, early_stopping
-from jaxtrain.config import checks, defaults
+from jaxtrain.config import checks
 from jaxtrain.config.defaults import callback
 from jaxtrain.errors import ConfigError
 from jaxtrain.run import callbacks, loop
-from jaxtrain.runtime import report, xla_cache
+from jaxtrain.runtime import report
 from jaxtrain.training import checkpoint
+
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 # The volatile fields of a row: wall-clock times, not what training computed.
 CLOCKS = ("seconds", "input_wait_fraction")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def mlp_config(data_dir, **overrides):
@@ -72,23 +66,6 @@ def early_stop_step(losses: dict, patience: int, min_delta: float):
             if waited >= patience:
                 return int(step)
     return None
-
-
-def once_per_session(tmp_path_factory, worker_id, name, make):
-    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
-    (its JSON) by the others, so that a run several tests read is made once a session,
-    not once a worker. The persistent compilation cache is on in every worker that asks
-    (as a run turns it on), so that the programs a test compiles after the run are read
-    from it wherever the run was."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # the workers' folders share the session's
-        root = root.parent
-    folder, result = root / name, root / f"{name}.json"
-    with filelock.FileLock(str(root / f"{name}.lock")):
-        if not result.exists():
-            result.write_text(json.dumps(make(folder)))
-    xla_cache.enable(cifar_seed_cnn.get_config().train.compilation_cache)
-    return folder, json.loads(result.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +190,7 @@ def test_a_callback_argument_is_a_key_of_its_entry(cifar_batches_dir, tmp_path):
          "--config.train.batch_size=50", "--config.train.num_steps=60",
          "--config.eval.every_steps=10", "--config.eval.every_epochs=0",
          "--config.callbacks.early.patience=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_early"]["step"] == 20  # no 10.0 drop after step 10's evaluation
@@ -256,7 +233,10 @@ def write_config(path: Path, **entries) -> Path:
 
 
 def child_env(**extra):
+    """The environment of a child main.py: XLA's LLVM backend at -O0 (its few steps;
+    quick_compile.py), tests/ importable (recording_callback)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["XLA_FLAGS"] = quick_compile.xla_flag(0)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
@@ -406,7 +386,7 @@ def test_a_stop_on_one_process_stops_both_at_the_same_step(cifar_batches_dir, tm
             f"--workdir={tmp_path / 'run'}", f"--config.data.dir={cifar_batches_dir}",
             f"--coordinator_address={address}", "--num_processes=2"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {quick_compile.xla_flag(0)}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     processes = [subprocess.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
                                   env=env, text=True, stdout=subprocess.PIPE,

@@ -9,30 +9,23 @@ import sys
 import time
 from pathlib import Path
 
-import filelock
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import quick_compile
+from conftest import once_per_session
 from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain.config import defaults
 from jaxtrain.run import evaluate_checkpoint, loop
-from jaxtrain.runtime import report, xla_cache
+from jaxtrain.runtime import report
 from jaxtrain.training import checkpoint
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def small_config(data_dir, **overrides):
@@ -53,23 +46,6 @@ def small_config(data_dir, **overrides):
 
 def steps_saved(workdir):
     return sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir() if p.name.isdigit())
-
-
-def once_per_session(tmp_path_factory, worker_id, name, make):
-    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
-    (its JSON) by the others, so that a run several tests read is made once a session,
-    not once a worker. The persistent compilation cache is on in every worker that asks
-    (as a run turns it on), so that the programs a test compiles after the run are read
-    from it wherever the run was."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # the workers' folders share the session's
-        root = root.parent
-    folder, result = root / name, root / f"{name}.json"
-    with filelock.FileLock(str(root / f"{name}.lock")):
-        if not result.exists():
-            result.write_text(json.dumps(make(folder)))
-    xla_cache.enable(cifar_seed_cnn.get_config().train.compilation_cache)
-    return folder, json.loads(result.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -277,9 +253,9 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
 
 
 def start_main(workdir, data_dir, run=LONG_RUN):
-    """main.py with `run`'s flags in a child process (tests/test_replicas.py's too)."""
+    """main.py with `run`'s flags in a child process, at -O1."""
     return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *run,
-                             f"--config.data.dir={data_dir}"], cwd=REPO,
+                             f"--config.data.dir={data_dir}"], cwd=REPO, env=quick_compile.env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -374,9 +350,10 @@ def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
     assert evaluated["step"] == best
     assert evaluated["test_accuracy"] == pytest.approx(points[best], abs=1e-6)
     # docs/checkpoints.md's command as typed: no --config, the run's config.json is read
+    # (compiled as this module compiles the run: JAX's jax_disable_most_optimizations)
     done = subprocess.run([sys.executable, "main.py", "--mode=eval", f"--workdir={tmp_path}",
                            "--checkpoint=best"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"checkpoint step {best}: test_accuracy={points[best]:.2%}" in done.stdout
     # Resuming with more steps starts from the newest, not the best.
@@ -455,7 +432,7 @@ def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset
          "--config.train.batch_size=4", "--config.eval.every_steps=2",
          "--config.eval.batch_size=10", "--config.eval.tta_fraction=1.0",
          "--config.train.chunk_steps=1", "--config.model.widths=(16,32,64)"], cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=quick_compile.env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(workdir, 1, process)  # step 1's row: step 2 trains, then evaluates
     time.sleep(0.5)
     sent = time.time()
@@ -491,14 +468,14 @@ def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batc
                "--config.model.hidden_sizes=(16,)", "--config.train.batch_size=200",
                "--config.eval.batch_size=250"]
     longer = subprocess.run([*command, "--config.train.num_epochs=2"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+                            env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert f"extending the finished run in {tmp_path / 'run'} (step 10) to 2 epochs: the " \
         "learning-rate schedule is the new length's from here on" in longer.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["resumed_from_step"] == 10
     shorter = subprocess.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+                             env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
     assert shorter.returncode == 2
     assert "holds checkpoints of another recipe (train.num_epochs: 2 -> 1)" in shorter.stderr
 

@@ -15,30 +15,24 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import quick_compile
 from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
 from jaxtrain import data
-from jaxtrain.config import checks, defaults
+from jaxtrain.config import checks
 from jaxtrain.data import folder_stream
 from jaxtrain.errors import ConfigError
 from jaxtrain.run import loop
 from jaxtrain.runtime import mesh as mesh_lib
-from jaxtrain.runtime import report, xla_cache
+from jaxtrain.runtime import report
 from jaxtrain.training import batches, checkpoint, prepare
 from jaxtrain.training import step as step_lib
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def small_config(data_dir, **overrides):
@@ -191,7 +185,8 @@ STREAM_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.name=folder",
 def start_main(workdir, data_dir, *extra):
     return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *STREAM_RUN,
                              f"--config.data.dir={data_dir}", *extra], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=quick_compile.env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def wait_for_step(workdir, step, process, timeout=300):
@@ -334,7 +329,7 @@ def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path
          "--config.train.batch_size=8", "--config.train.num_steps=3",
          "--config.train.log_every_steps=1", "--config.eval.batch_size=8",
          "--config.train.precision=float32"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        cwd=REPO, env=quick_compile.env(0), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data on the host, streamed" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())

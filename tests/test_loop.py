@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import quick_compile
 
 from jaxtrain import models
 from jaxtrain.config import defaults
@@ -20,20 +21,13 @@ from jaxtrain.perf import hlo
 from jaxtrain.run import loop, projection, start
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import rows as rows_lib
-from jaxtrain.runtime import phases, report, xla_cache
+from jaxtrain.runtime import phases, report
 from jaxtrain.training import chunks, optim, prepare, train_state
 from jaxtrain.training import step as step_lib
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 # ---------------------------------------------------------------- chunks and rows
@@ -198,7 +192,7 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
 # ---------------------------------------------------------------- main.py, as a user runs it
 
 def main_py(workdir, data_dir, home, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env = quick_compile.env(0, {k: v for k, v in os.environ.items() if not k.startswith("JAX_")})
     return subprocess.run(
         [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", "--config.data.source=files",

@@ -17,6 +17,9 @@ from jaxtrain.run import loop
 from jaxtrain.training import augment, train_state
 from jaxtrain.training import step as step_lib
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
+
 B, H, W, C, K = 8, 7, 6, 3, 10  # labels 0..7: partners (i, B-1-i) differ
 KEYS = tuple(range(12))
 

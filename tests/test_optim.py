@@ -9,6 +9,8 @@ import pytest
 from configs import default
 from jaxtrain.training import optim
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
 
 def opt_config(**overrides):
     config = default.get_config().optimizer

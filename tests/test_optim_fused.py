@@ -11,23 +11,14 @@ import pytest
 from test_speedrun import narrow_speedrun
 
 from configs import cifar_speedrun
-from jaxtrain.config import defaults
 from jaxtrain.errors import ConfigError
 from jaxtrain.perf import hlo
-from jaxtrain.runtime import xla_cache
 from jaxtrain.training import checkpoint, chunks, optim, prepare, replicas
+
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
 
 FROZEN = ("Conv_0/kernel",)  # the speedrun's whitened stem
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def matrix_kernels(hlo_text: str) -> int:

@@ -1,7 +1,6 @@
 """Many runs in one program (train.replicas, sweep): each replica is its single run, the
 reports and checkpoints hold every replica, resume is exact, bad sweeps are refused."""
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from jaxtrain.run import loop
 from jaxtrain.runtime import report
 from jaxtrain.training import replicas
 
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_quickly():
-    """XLA at -O0 for what this module's tests compile in this process (quick_compile.py)."""
-    with quick_compile.in_process():
-        yield
 
 
 def small_config(data_dir, **overrides):
@@ -240,10 +234,8 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
 def start_main(workdir, data_dir):
     """main.py with LONG_RUN's flags in a child process, XLA's LLVM backend at -O1 (its 600
     steps run as fast as at -O2; quick_compile.py)."""
-    env = dict(os.environ, XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                             quick_compile.xla_flag(1)])))
     return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
-                             f"--config.data.dir={data_dir}"], cwd=REPO, env=env,
+                             f"--config.data.dir={data_dir}"], cwd=REPO, env=quick_compile.env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

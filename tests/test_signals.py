@@ -8,7 +8,6 @@ uninterrupted run does. (Signals before training: test_cli.py; during a checkpoi
 write: test_cli.py; during an evaluation of another recipe at 64 px: test_checkpoint.py.
 The seconds from signal to exit, measured: benchmarks/signal_latency.py.)"""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import filelock
 import pytest
+import quick_compile
 
 from jaxtrain.runtime import report
 from jaxtrain.training import checkpoint
@@ -27,12 +27,15 @@ COMMAND = [sys.executable, "main.py", "--config=configs/fashion_mnist_cnn.py",
            "--config.model.widths=(8,16,32)", "--config.eval.tta=none"]  # the recipe, cheaper
 CLOCKS = ("seconds", "input_wait_fraction")
 TABLE_HEADER = "  epoch     step"  # the console table's first line: training starts
+# XLA's LLVM backend at -O1 in these processes: their programs compile almost as fast as
+# at -O0 and run as fast as at -O2 (quick_compile.py); every one of them is compiled so.
+ENV = quick_compile.env(1)
 
 pytestmark = pytest.mark.slow  # every test here runs main.py, a few times
 
 
 def start(workdir, *flags):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the console's lines as they are printed
+    env = dict(ENV, PYTHONUNBUFFERED="1")  # the console's lines as they are printed
     return subprocess.Popen([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -83,7 +86,7 @@ def uninterrupted(tmp_path_factory, worker_id):
     workdir = shared / "signals_uninterrupted"
     with filelock.FileLock(str(shared / "signals_uninterrupted.lock")):
         if not (workdir / report.SUMMARY_FILE).exists():
-            done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO,
+            done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
                                   capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stderr[-3000:]
             assert "train.precision='auto': float32 on cpu (" in done.stdout
@@ -94,8 +97,8 @@ def uninterrupted(tmp_path_factory, worker_id):
 
 def rerun_ends_as(workdir, uninterrupted, resumed_from: int) -> str:
     reference_dir, reference = uninterrupted
-    done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
     assert summary["resumed_from_step"] == resumed_from
@@ -187,7 +190,7 @@ def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
     assert checkpoint.saved_steps(str(workdir / "checkpoints")) == [5, 10]
     assert [row["step"] for row in train_rows(workdir)] == [5, 10]
     assert not evaluated_steps(workdir)
-    done = subprocess.run([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO,
+    done = subprocess.run([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert list(evaluated_steps(workdir)) == [10, 15]
@@ -206,7 +209,7 @@ def test_a_save_killed_mid_write_is_simply_absent(cifar_batches_dir, tmp_path):
                f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
                "--config.model.hidden_sizes=(32,)", "--config.eval.batch_size=250",
                "--config.train.num_steps=60", "--config.checkpoint.every_steps=50"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     folder = workdir / "checkpoints"
     deadline = time.time() + 300
@@ -217,7 +220,8 @@ def test_a_save_killed_mid_write_is_simply_absent(cifar_batches_dir, tmp_path):
     process.wait()
     whole = checkpoint.saved_steps(str(folder))  # [] unless the save finished meanwhile
     assert whole in ([], [50])
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
     assert summary["steps"] == 60

@@ -3,37 +3,27 @@ the benchmark's run is main.py's run, and it resumes exactly; with
 train.drop_finished_groups, the programs after the stem bias's last step drop its
 gradient and end with the same weights."""
 import io
-import json
 import re
 import shutil
 import types
 
-import filelock
 import jax
 import numpy as np
 import pytest
+from conftest import once_per_session
 from overrides import with_overrides
 
 from configs import cifar_speedrun
-from jaxtrain.config import defaults
 from jaxtrain.perf import benchmark, hlo
 from jaxtrain.run import loop, start
 from jaxtrain.run import plan as plan_lib
-from jaxtrain.runtime import xla_cache
 from jaxtrain.training import checkpoint, prepare
 
 SEED = 3
 
-pytestmark = pytest.mark.slow  # every test here trains or compiles the recipe
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
+# every test here trains or compiles the recipe; at XLA's usual level, since two of them
+# compare two different programs' weights to the bit (conftest.py's compile_quickly)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]
 
 
 def narrow_speedrun(data_dir, **overrides):
@@ -51,23 +41,6 @@ def narrow_speedrun(data_dir, **overrides):
     config.eval.batch_size, config.eval.tta_fraction = 250, 0.5
     config.seed = SEED
     return with_overrides(config, overrides)
-
-
-def once_per_session(tmp_path_factory, worker_id, name, make):
-    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
-    (its JSON) by the others, so that a run several tests read is made once a session,
-    not once a worker. The persistent compilation cache is on in every worker that asks
-    (as a run turns it on), so that the programs a test compiles after the run are read
-    from it wherever the run was."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # the workers' folders share the session's
-        root = root.parent
-    folder, result = root / name, root / f"{name}.json"
-    with filelock.FileLock(str(root / f"{name}.lock")):
-        if not result.exists():
-            result.write_text(json.dumps(make(folder)))
-    xla_cache.enable(cifar_speedrun.get_config().train.compilation_cache)
-    return folder, json.loads(result.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import quick_compile
 from test_callbacks import mlp_config
 
 import jaxtrain
 from jaxtrain.callbacks.trackers import tracker
-from jaxtrain.config import defaults
 from jaxtrain.run import loop
-from jaxtrain.runtime import report, xla_cache
+from jaxtrain.runtime import report
+
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
 
 
 def short_config(data_dir, **overrides):
@@ -137,7 +130,7 @@ print(sorted(name for name in ("mlflow", "wandb") if name in sys.modules))
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                             text=True, timeout=300,
                             env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
-                                 "PATH": "/usr/bin:/bin"})
+                                 "PATH": "/usr/bin:/bin", "XLA_FLAGS": quick_compile.xla_flag(0)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
 

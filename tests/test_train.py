@@ -3,32 +3,24 @@ import functools
 import json
 import os
 
-import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import once_per_session
 from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar, cifar_seed_cnn, default
 from jaxtrain import ConfigError, TrainingError, data, models
-from jaxtrain.config import defaults
 from jaxtrain.run import loop
-from jaxtrain.runtime import report, xla_cache
+from jaxtrain.runtime import report
 from jaxtrain.training import augment, evaluation, optim, prepare, train_state
 from jaxtrain.training import chunks as chunks_lib
 from jaxtrain.training import step as step_lib
 
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """JAX's persistent compilation cache on before this module compiles anything, as a
-    run turns it on (train.compilation_cache's default): a program compiled once in the
-    session (by another test, another worker, a run's own process) is then read from disk,
-    not compiled again (a CNN's init program alone takes seconds to compile on a CPU)."""
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
+pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
 
 
 def small_config(data_dir, base=cifar, **overrides):
@@ -43,23 +35,6 @@ def small_config(data_dir, base=cifar, **overrides):
     config.eval.batch_size = 200  # 500 test images: the last batch is padded
     config.eval.tta = "flip"
     return with_overrides(config, overrides)
-
-
-def once_per_session(tmp_path_factory, worker_id, name, make):
-    """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
-    (its JSON) by the others, so that a run several tests read is made once a session,
-    not once a worker. The persistent compilation cache is on in every worker that asks
-    (as a run turns it on), so that the programs a test compiles after the run are read
-    from it wherever the run was."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # the workers' folders share the session's
-        root = root.parent
-    folder, result = root / name, root / f"{name}.json"
-    with filelock.FileLock(str(root / f"{name}.lock")):
-        if not result.exists():
-            result.write_text(json.dumps(make(folder)))
-    xla_cache.enable(cifar.get_config().train.compilation_cache)
-    return folder, json.loads(result.read_text())
 
 
 def short_config(data_dir):
