@@ -1,8 +1,11 @@
 """jaxtrain.export: every built-in model, after a short run, as ONNX (checked by
 onnxruntime) and StableHLO (checked by jax.export in a process without Flax or
-jaxtrain), both matching restore().predict on real CIFAR-10 test images."""
+jaxtrain), both matching restore().predict on real CIFAR-10 test images. The deep
+models run cut to their smallest form (smallest_deep_models): the same operations go
+into the files."""
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +25,8 @@ from jaxtrain.run import loop
 REPO = Path(__file__).resolve().parents[1]
 ort = require_module("onnxruntime", "pip install -e '.[export]'")
 require_module("jax2onnx", "pip install -e '.[export]'")
+
+pytestmark = pytest.mark.slow  # every test here trains a run or starts a process
 
 PROBABILITY_ATOL = 1e-4  # float32 throughout
 N_IMAGES = 37  # an odd batch: the dynamic batch dimension is not a multiple of anything
@@ -56,7 +61,26 @@ def short_run_config(npz, model_name, **changes):
     return config
 
 
+@pytest.fixture(scope="module", autouse=True)
+def smallest_deep_models():
+    """The deep built-in models cut to their smallest form in this module's runs and
+    restores: the ResNets one block a stage, vit_tiny two blocks of its twelve. The same
+    layers and operations go into the files (a stage's first block is the one with the
+    stride and the projection), at a fraction of the compile time (ResNet-50 and
+    vit_tiny's tests took ~50 s each)."""
+    from jaxtrain.models import resnet, vit
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("resnet18", "resnet50"):
+            patch.setitem(resnet.RESNETS, name, ((1, 1, 1, 1), resnet.RESNETS[name][1]))
+        dim, _, heads = vit.VITS["vit_tiny"]
+        patch.setitem(vit.VITS, "vit_tiny", (dim, 2, heads))
+        yield
+
+
 RUNS = {}  # model name -> workdir, shared by this module's tests
+# the mlp's run, which the command's tests share, evaluates with a flip: its exports carry
+# the run's TTA (the others' eval.tta is 'none')
+RUN_CHANGES = {"mlp": {"eval__tta": "flip"}}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +88,8 @@ def run_of(arrays_npz, tmp_path_factory):
     def run(model_name):
         if model_name not in RUNS:
             workdir = str(tmp_path_factory.mktemp(f"run_{model_name}"))
-            loop.train_and_evaluate(short_run_config(arrays_npz, model_name), workdir)
+            loop.train_and_evaluate(short_run_config(arrays_npz, model_name,
+                                                     **RUN_CHANGES.get(model_name, {})), workdir)
             RUNS[model_name] = workdir
         return RUNS[model_name]
     return run
@@ -80,10 +105,13 @@ def run_onnx(path, images):
     return session.run(None, {"images": images})[0]
 
 
-# Run in a fresh interpreter whose imports of Flax, optax, Orbax and jaxtrain fail:
-# what a serving process that only has JAX would see.
+# A fresh interpreter whose imports of Flax, optax, Orbax and jaxtrain fail: what a
+# serving process that only has JAX would see. It serves this module's tests one after
+# another (its JAX started once): each line of its stdin names a StableHLO file, the
+# images (.npy) and the two .npy files to write, the probabilities of all the images and
+# of the first alone; it answers each with a line, the platforms the file was lowered for.
 NO_FLAX = """
-import sys
+import json, sys
 BLOCKED = ("flax", "jaxtrain", "optax", "orbax")
 class Block:
     def find_spec(self, name, path=None, target=None):
@@ -91,23 +119,50 @@ class Block:
             raise ImportError(f"{name} is blocked in this process")
 sys.meta_path.insert(0, Block())
 import jax, numpy as np
-exported = jax.export.deserialize(open(sys.argv[1], "rb").read())
-images = np.load(sys.argv[2])
-np.save(sys.argv[3], np.asarray(exported.call(images)))
-np.save(sys.argv[4], np.asarray(exported.call(images[:1])))
-assert not any(m.split(".")[0] in BLOCKED for m in sys.modules), sorted(sys.modules)
-print(exported.platforms)
+for request in sys.stdin:
+    model, images, everything, first = json.loads(request)
+    exported = jax.export.deserialize(open(model, "rb").read())
+    images = np.load(images)
+    np.save(everything, np.asarray(exported.call(images)))
+    np.save(first, np.asarray(exported.call(images[:1])))
+    assert not any(m.split(".")[0] in BLOCKED for m in sys.modules), sorted(sys.modules)
+    print(json.dumps(list(exported.platforms)), flush=True)
 """
 
 
-def run_stablehlo_without_flax(path, images, tmp_path):
-    np.save(tmp_path / "images.npy", images)
+@pytest.fixture(scope="module")
+def without_flax(tmp_path_factory):
+    """run(StableHLO file, images, folder) -> (probabilities of all the images, of the
+    first alone, the platforms): NO_FLAX's answers."""
+    folder = tmp_path_factory.mktemp("no_flax")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", NO_FLAX, str(path), str(tmp_path / "images.npy"),
-                             str(tmp_path / "all.npy"), str(tmp_path / "one.npy")],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return np.load(tmp_path / "all.npy"), np.load(tmp_path / "one.npy"), result.stdout
+    with open(folder / "stderr", "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", NO_FLAX], cwd=folder, env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=stderr, text=True)
+
+    def run(path, images, tmp_path):
+        np.save(tmp_path / "images.npy", images)
+        request = [str(path)] + [str(tmp_path / name) for name in ("images.npy", "all.npy",
+                                                                    "one.npy")]
+        try:
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            answered, _, _ = select.select([process.stdout], [], [], 300)
+            line = process.stdout.readline() if answered else ""
+        except BrokenPipeError:  # it has stopped
+            line = ""
+        assert line, (folder / "stderr").read_text()[-3000:]
+        return (np.load(tmp_path / "all.npy"), np.load(tmp_path / "one.npy"),
+                json.loads(line))
+
+    yield run
+    process.stdin.close()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 # Wider or deeper versions of the models below, built by the same code (resnet.RESNETS,
@@ -118,7 +173,7 @@ VARIANTS = ("resnet34", "vit_small", "vit_base")
 
 @pytest.mark.parametrize("model_name", [n for n in models.MODEL_NAMES if n not in VARIANTS])
 def test_every_built_in_model_exports_both_ways_and_matches_predict(
-        model_name, run_of, test_images, tmp_path):
+        model_name, run_of, test_images, without_flax, tmp_path):
     workdir = run_of(model_name)
     classifier = jaxtrain.restore(workdir)
     labels, expected = classifier.predict(test_images)
@@ -136,7 +191,7 @@ def test_every_built_in_model_exports_both_ways_and_matches_predict(
 
     hlo_file = tmp_path / "model.stablehlo"
     exporters.save(classifier, "stablehlo", str(hlo_file))
-    everything, first, platforms = run_stablehlo_without_flax(hlo_file, test_images, tmp_path)
+    everything, first, platforms = without_flax(hlo_file, test_images, tmp_path)
     np.testing.assert_allclose(first, expected[:1], atol=PROBABILITY_ATOL, rtol=0)
     np.testing.assert_allclose(everything, expected, atol=PROBABILITY_ATOL, rtol=0)
     np.testing.assert_array_equal(np.argmax(everything, -1), labels)
@@ -144,7 +199,7 @@ def test_every_built_in_model_exports_both_ways_and_matches_predict(
 
 
 def test_a_fixed_batch_and_tta_inside_the_export(run_of, test_images, tmp_path):
-    workdir = run_of("resnet18")
+    workdir = run_of("mlp")  # the run the command's tests share
     _, expected = jaxtrain.restore(workdir, tta="flip").predict(test_images[:5])
     _, plain = jaxtrain.restore(workdir, tta="none").predict(test_images[:5])
     assert np.abs(expected - plain).max() > 1e-3  # the flip changes something to check
@@ -162,7 +217,10 @@ def test_a_fixed_batch_and_tta_inside_the_export(run_of, test_images, tmp_path):
 
 def test_a_bfloat16_run_exports_float32_by_default(arrays_npz, test_images, tmp_path):
     workdir = str(tmp_path / "bf16")
-    loop.train_and_evaluate(short_run_config(arrays_npz, "cifar_cnn", train__precision="bfloat16"),
+    # the mlp: what precision a run computed in and what the export computes in are the
+    # same for every model (a cifar_cnn's bfloat16 run took 3x as long: XLA's bfloat16
+    # convolutions are slow to compile and run on a CPU)
+    loop.train_and_evaluate(short_run_config(arrays_npz, "mlp", train__precision="bfloat16"),
                             workdir)
     _, expected = jaxtrain.restore(workdir, precision="float32").predict(test_images)
     _, bfloat16 = jaxtrain.restore(workdir).predict(test_images)
@@ -207,8 +265,17 @@ def cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_the_command_writes_the_file_and_its_json(run_of, test_images, tmp_path):
+def test_the_command_writes_the_file_and_its_json_and_applies_predict_s_tta(
+        run_of, test_images, tmp_path):
+    """The users' two commands on a run with eval.tta='flip' (the mlp's): the export takes
+    the same TTA as predict by default, so both give the same probabilities for one image
+    file; FILE.json says what goes in (--batch fixes the batch), names the run, the TTA and
+    the resize filter exactly. (One export command for both: each one's first ONNX
+    conversion takes ~8 s of jax2onnx's imports.)"""
+    from PIL import Image
     workdir = run_of("mlp")
+    image = tmp_path / "image.png"
+    Image.fromarray(test_images[0]).save(image)
     result = cli(workdir, "--format=onnx", f"--out={tmp_path / 'mlp.onnx'}", "--batch=3")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith(f"wrote {tmp_path / 'mlp.onnx'} (")
@@ -218,62 +285,97 @@ def test_the_command_writes_the_file_and_its_json(run_of, test_images, tmp_path)
     assert description["input"] == {"name": "images", "dtype": "uint8", "layout": "NHWC",
                                     "shape": [3, 32, 32, 3]}
     assert description["run"]["workdir"] == os.path.abspath(workdir)
-    np.testing.assert_allclose(run_onnx(tmp_path / "mlp.onnx", test_images[:3]),
-                               jaxtrain.restore(workdir).predict(test_images[:3])[1],
+    from_export = run_onnx(tmp_path / "mlp.onnx", test_images[:3])
+    np.testing.assert_allclose(from_export, jaxtrain.restore(workdir).predict(test_images[:3])[1],
                                atol=PROBABILITY_ATOL, rtol=0)
 
-
-def test_predict_and_export_apply_the_same_tta_and_the_json_says_how_files_are_read(
-        arrays_npz, test_images, tmp_path):
-    """The users' two commands on a run with eval.tta='flip': the export takes the same
-    TTA as predict by default, so both give the same probabilities for one image file;
-    FILE.json names the TTA and the resize filter exactly."""
-    from PIL import Image
-    workdir = str(tmp_path / "run")
-    loop.train_and_evaluate(short_run_config(arrays_npz, "mlp", eval__tta="flip"), workdir)
-    image = tmp_path / "image.png"
-    Image.fromarray(test_images[0]).save(image)
-    exported = cli(workdir, "--format=onnx", f"--out={tmp_path / 'model.onnx'}")
-    assert exported.returncode == 0, exported.stderr[-2000:]
     predicted = subprocess.run([sys.executable, "-m", "jaxtrain.predict", workdir, str(image),
                                 "--json", "--top=10"], cwd=REPO, capture_output=True,
                                text=True, timeout=300)
     assert predicted.returncode == 0, predicted.stderr[-2000:]
     line = json.loads(predicted.stdout.strip().splitlines()[-1])
     from_predict = {entry["label"]: entry["probability"] for entry in line["top"]}
-    from_export = run_onnx(tmp_path / "model.onnx", test_images[:1])[0]
     for label, probability in from_predict.items():
-        assert abs(from_export[label] - probability) < 1e-5, (label, probability)
+        assert abs(from_export[0][label] - probability) < 1e-5, (label, probability)
     _, plain = jaxtrain.restore(workdir, tta="none").predict(test_images[:1])
-    assert np.abs(plain[0] - from_export).max() > 1e-4  # the flip is in there
-    description = json.loads((tmp_path / "model.onnx.json").read_text())
+    assert np.abs(plain[0] - from_export[0]).max() > 1e-4  # the flip is in there
     assert description["tta"] == "flip"
     files = description["preprocessing"]["files"]
     assert files["filter"] == "PIL.Image.Resampling.BILINEAR" and files["reducing_gap"] == 3.0
     assert files["resize"] == "crop" and files["size"] == [32, 32] and files["mode"] == "RGB"
 
 
-@pytest.mark.parametrize("case", ["no checkpoint", "not a run", "unknown format",
-                                  "unwritable out", "out is a folder", "unknown step"])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, run_of, tmp_path):
+# `python -m jaxtrain.export ARGS...` once per argument list given (JSON, argv[1]), each in a
+# child forked from one process that has imported what the command imports (~2.5 s a
+# process here): runpy runs the module's __main__ block as -m does. argv[2]: a folder for
+# each command's stdout and stderr (I.out, I.err); prints the exit statuses (JSON).
+COMMANDS = """
+import json, os, runpy, sys
+import absl.app, absl.flags, jaxtrain.inference.exporters, jaxtrain.predict
+commands, folder = json.loads(sys.argv[1]), sys.argv[2]
+statuses = []
+for i, args in enumerate(commands):
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(folder, f"{i}.{name}"),
+                            os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["-m", *args]
+        try:
+            runpy.run_module("jaxtrain.export", run_name="__main__", alter_sys=True)
+            status = 0
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(statuses))
+"""
+
+BAD_INPUTS = ("no checkpoint", "not a run", "unknown format", "unwritable out",
+              "out is a folder", "unknown step")
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(run_of, tmp_path_factory):
+    """{case: (exit status, stderr, its folder)}: the export command given each bad input,
+    each in a folder of its own (out/ to write in, empty_run/ holding a run's config only)."""
     workdir = run_of("mlp")
-    out = tmp_path / "out" / "model.onnx"
-    out.parent.mkdir()
-    empty_run = tmp_path / "empty_run"
-    empty_run.mkdir()
-    (empty_run / "config.json").write_text(Path(workdir, "config.json").read_text())
-    args = {"no checkpoint": (empty_run, "--format=onnx", f"--out={out}"),
-            "not a run": (tmp_path / "nowhere", "--format=onnx", f"--out={out}"),
-            "unknown format": (workdir, "--format=tflite", f"--out={out}"),
-            "unwritable out": (workdir, "--format=onnx", f"--out={tmp_path / 'missing' / 'm.onnx'}"),
-            "out is a folder": (workdir, "--format=stablehlo", f"--out={out.parent}"),
-            "unknown step": (workdir, "--format=onnx", f"--out={out}", "--checkpoint=7")}[case]
-    result = cli(*args)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    root = tmp_path_factory.mktemp("bad_input")
+    folders, commands = [], []
+    for i, case in enumerate(BAD_INPUTS):
+        folder = root / str(i)
+        out = folder / "out" / "model.onnx"
+        out.parent.mkdir(parents=True)
+        empty_run = folder / "empty_run"
+        empty_run.mkdir()
+        (empty_run / "config.json").write_text(Path(workdir, "config.json").read_text())
+        args = {"no checkpoint": (empty_run, "--format=onnx", f"--out={out}"),
+                "not a run": (folder / "nowhere", "--format=onnx", f"--out={out}"),
+                "unknown format": (workdir, "--format=tflite", f"--out={out}"),
+                "unwritable out": (workdir, "--format=onnx",
+                                   f"--out={folder / 'missing' / 'm.onnx'}"),
+                "out is a folder": (workdir, "--format=stablehlo", f"--out={out.parent}"),
+                "unknown step": (workdir, "--format=onnx", f"--out={out}", "--checkpoint=7")}[case]
+        folders.append(folder)
+        commands.append([str(arg) for arg in args])
+    done = subprocess.run([sys.executable, "-c", COMMANDS, json.dumps(commands), str(root)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    statuses = json.loads(done.stdout.strip().splitlines()[-1])
+    return {case: (status, (root / f"{i}.err").read_text(), folders[i])
+            for i, (case, status) in enumerate(zip(BAD_INPUTS, statuses))}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, bad_input_results):
+    status, stderr, folder = bad_input_results[case]
+    assert status == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-2000:]
     expected = {"no checkpoint": "no checkpoint in", "not a run": "not a jaxtrain run",
                 "unknown format": "--format", "unwritable out": "no folder",
                 "out is a folder": "is a folder", "unknown step": "saved steps: 2"}[case]
     assert expected in lines[0]
-    assert list(out.parent.iterdir()) == [] and not (tmp_path / "missing").exists()
+    assert list((folder / "out").iterdir()) == [] and not (folder / "missing").exists()
