@@ -14,34 +14,39 @@ from jaxtrain.models.ops import pooling
 
 @pytest.mark.parametrize("shape", [(3, 8, 8, 5), (2, 27, 27, 4), (2, 13, 6, 3), (1, 2, 3, 1)])
 def test_corners_is_lax_max_pool_forward_and_gradient_ties_included(shape):
-    x = jax.random.normal(jax.random.key(0), shape)
-    x = jnp.round(x * 2) / 2  # many windows hold the same maximum more than once
-    incoming = jax.random.normal(jax.random.key(1), (shape[0], shape[1] // 2, shape[2] // 2,
-                                                     shape[3]))  # every output's gradient differs
+    rng = np.random.default_rng(0)  # numpy's: no random program to compile
+    x = np.round(rng.normal(size=shape) * 2).astype(np.float32) / 2  # many windows hold the
+    # same maximum more than once; every output's gradient differs:
+    incoming = rng.normal(size=(shape[0], shape[1] // 2, shape[2] // 2, shape[3])).astype(
+        np.float32)
 
-    @functools.partial(jax.jit, static_argnums=0)
     def pooled_and_gradient(pool, x):
         pooled, vjp = jax.vjp(pool, x)
         return pooled, vjp(incoming)[0]
 
-    want = pooled_and_gradient(functools.partial(nn.max_pool, window_shape=(2, 2),
-                                                 strides=(2, 2)), x)
-    got = pooled_and_gradient(pooling.corners_max_pool, x)
+    want, got = jax.jit(lambda x: [  # both in one compiled program
+        pooled_and_gradient(pool, x) for pool in (
+            functools.partial(nn.max_pool, window_shape=(2, 2), strides=(2, 2)),
+            pooling.corners_max_pool)])(x)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     assert np.any(np.asarray(want[1]) == 0) and np.any(np.asarray(want[1]) != 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["seed_cnn", "cifar_cnn"])
 def test_the_built_in_cnns_train_to_the_same_numbers_with_either_pool(name):
     config = defaults.get_config().model
     config.name, config.widths, config.stem_width = name, (8, 16, 8), 4
-    images = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
-    labels = jax.nn.one_hot(jnp.arange(4) % 10, 10)
+    images = np.random.default_rng(0).normal(size=(4, 32, 32, 3)).astype(np.float32)
+    labels = np.eye(10, dtype=np.float32)[np.arange(4) % 10]
     built = {}
     for impl in ("xla", "corners"):
         config.pool_impl = impl
         built[impl] = models.create_model(config, 10, jnp.float32)
-    variables = built["xla"].init(jax.random.key(1), images)
+    # one compiled init, with an RBG key: op by op, or with threefry, a CNN's init compiles
+    # several times slower on a CPU
+    variables = jax.jit(functools.partial(built["xla"].init, train=False))(
+        jax.random.key(1, impl="rbg"), images)
 
     def loss(params, model):
         logits, updates = model.apply({**variables, "params": params}, images, train=True,

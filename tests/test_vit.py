@@ -105,6 +105,18 @@ def images(cifar_subset):
     return ((cifar_subset["x_test"][:4].astype(np.float32) / 255 - 0.5) / 0.5)
 
 
+def flax_logits(model, params, images) -> np.ndarray:
+    """model's logits in one compiled program (op by op, a 12-block ViT's forward pass
+    compiles each of its operations on its own)."""
+    return np.asarray(jax.jit(model.apply)({"params": params}, images))
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tiny, images):
+    """The float32 Flax vit_tiny's logits of `images` with `tiny`'s converted params."""
+    return flax_logits(flax_vit("vit_tiny"), tiny[1], images)
+
+
 def timm_logits(model, images) -> np.ndarray:
     with torch.no_grad():
         return model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
@@ -141,13 +153,16 @@ def test_torch_paths_cover_timms_keys_with_matching_shapes(name):
     assert params["pos_embed"].shape == (1, 1 + 4, vit.VITS[name][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit_tiny", "vit_small"])
-def test_timm_weights_give_timms_logits(name, images, tiny):
-    model = tiny[0] if name == "vit_tiny" else random_timm_vit(name)
-    params = to_flax(model.state_dict())
-    logits = flax_vit(name).apply({"params": params}, images)
-    assert logits.dtype == jnp.float32 and logits.shape == (4, NUM_CLASSES)
-    assert_logits_close(np.asarray(logits), timm_logits(model, images))
+def test_timm_weights_give_timms_logits(name, images, tiny, request):
+    if name == "vit_tiny":
+        model, logits = tiny[0], request.getfixturevalue("tiny_logits")
+    else:
+        model = random_timm_vit(name)
+        logits = flax_logits(flax_vit(name), to_flax(model.state_dict()), images)
+    assert logits.dtype == np.float32 and logits.shape == (4, NUM_CLASSES)
+    assert_logits_close(logits, timm_logits(model, images))
 
 
 def test_an_image_size_off_the_patch_grid_is_refused():
@@ -193,6 +208,7 @@ def random_params(model, seed: int = 0):
                         abstract_params(model))
 
 
+@pytest.mark.slow
 def test_dropout_and_drop_path_act_only_in_training(images):
     model = small_vit(dropout=0.1, drop_path=0.5)
     params = random_params(model)
@@ -205,9 +221,9 @@ def test_dropout_and_drop_path_act_only_in_training(images):
     assert not np.allclose(train(key), evaluate())
     np.testing.assert_array_equal(evaluate(), evaluate())
     plain = small_vit()  # no dropout, no drop path: training computes what evaluation does
-    np.testing.assert_allclose(
+    np.testing.assert_allclose(*jax.jit(lambda key: (  # one program
         plain.apply({"params": params}, images, train=True, rngs={"dropout": key}),
-        plain.apply({"params": params}, images), rtol=1e-6, atol=1e-6)
+        plain.apply({"params": params}, images)))(key), rtol=1e-6, atol=1e-6)
 
 
 class DropPath(nn.Module):
@@ -217,7 +233,8 @@ class DropPath(nn.Module):
 
 
 def test_drop_path_drops_whole_samples_and_rescales_the_rest():
-    y = DropPath().apply({}, jnp.ones((256, 5, 8)), rngs={"dropout": jax.random.key(0)})
+    y = jax.jit(lambda key: DropPath().apply({}, jnp.ones((256, 5, 8)), rngs={"dropout": key}))(
+        jax.random.key(0))  # one program, not one per operation
     per_sample = np.asarray(y).reshape(256, -1)
     assert set(np.unique(per_sample)) <= {0.0, np.float32(1 / 0.75)}
     assert (per_sample == per_sample[:, :1]).all()  # one decision per sample
@@ -258,9 +275,9 @@ def test_create_model_builds_the_vits():
     assert torch_models.VITS == vit.VITS
 
 
-def test_torch_twin_computes_the_flax_logits(images, tiny):
+def test_torch_twin_computes_the_flax_logits(images, tiny, tiny_logits):
     timm_model, params = tiny
-    expected = np.asarray(flax_vit("vit_tiny").apply({"params": params}, images))
+    expected = tiny_logits
     twin = torch_models.create_model(model_config("vit_tiny"), NUM_CLASSES, (SIZE, SIZE, 3))
     assert set(twin.state_dict()) == set(timm_model.state_dict())  # timm's names too
     torch_models.load_flax_variables(twin.eval(), {"params": params}, (SIZE, SIZE, 3))
@@ -270,7 +287,7 @@ def test_torch_twin_computes_the_flax_logits(images, tiny):
     assert paths == {"/".join(path) for path in vit.torch_paths(params).values()}
 
 
-def test_bfloat16_computes_in_bfloat16_and_returns_float32_logits(images, tiny):
+def test_bfloat16_computes_in_bfloat16_and_returns_float32_logits(images, tiny, tiny_logits):
     _, params = tiny
     apply = flax_vit("vit_tiny", dtype=jnp.bfloat16).apply
     program = str(jax.make_jaxpr(apply)({"params": params}, images))
@@ -281,6 +298,6 @@ def test_bfloat16_computes_in_bfloat16_and_returns_float32_logits(images, tiny):
                for line in products), products
     logits = jax.jit(apply)({"params": params}, images)
     assert logits.dtype == jnp.float32 and logits.shape == (4, NUM_CLASSES)
-    exact = flax_vit("vit_tiny").apply({"params": params}, images)
+    exact = tiny_logits  # float32's
     assert np.isfinite(logits).all()
     assert np.abs(logits - exact).max() < 0.1 * np.abs(exact).max()
