@@ -1,6 +1,7 @@
 """model.init_from: torchvision's and timm's weights give jaxtrain's models their logits;
 heads re-initialised, wrong architectures and pickled code refused, frozen groups and
 statistics untouched, workdirs as starting points, exact resume."""
+import functools
 import json
 import os
 import signal
@@ -67,10 +68,18 @@ def randomised_statistics(module):
     return module.eval()
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_apply(model):
+    """model.apply in inference mode, jitted once per model (equal models share it)."""
+    return jax.jit(functools.partial(model.apply, train=False))
+
+
 def jax_logits(run, images):
+    """The run's logits of uint8 images, in one compiled program (op by op, a ResNet-50's
+    forward pass takes 3x as long on the CPU)."""
     variables = {"params": run.state.params, "batch_stats": run.state.batch_stats}
     inputs = step.normalize(images, run.mean, run.std)
-    return np.asarray(run.model.apply(variables, inputs, train=False))
+    return np.asarray(compiled_apply(run.model)(variables, inputs))
 
 
 def torch_logits(module, images, mean, std):
@@ -83,6 +92,7 @@ def relative_error(ours, theirs):
     return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_torchvision_resnets_give_their_logits(name, arrays_64, tmp_path, cifar_subset):
     torch.manual_seed(0)
@@ -112,6 +122,7 @@ def randomised_parameters(module):
     return module.eval()
 
 
+@pytest.mark.slow
 def test_timm_resnet50_as_safetensors_gives_its_logits(arrays_64, tmp_path, cifar_subset):
     timm = pytest.importorskip("timm")
     from safetensors.torch import save_file
@@ -134,6 +145,7 @@ def arrays_32(tmp_path_factory, cifar_subset):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_timm_vit_small_gives_its_logits(suffix, arrays_32, tmp_path, cifar_subset):
     timm = pytest.importorskip("timm")
@@ -152,6 +164,7 @@ def test_timm_vit_small_gives_its_logits(suffix, arrays_32, tmp_path, cifar_subs
     assert run.init_from["tensors_loaded"] == len(reference.state_dict())
 
 
+@pytest.mark.slow
 def test_a_vit_at_another_image_size_resamples_its_position_table(arrays_64, tmp_path):
     timm = pytest.importorskip("timm")
     reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
@@ -172,6 +185,36 @@ def run_main(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+# main.py as the README runs it, in a process whose deep built-in models are cut to their
+# smallest form: the ResNets one block a stage, the ViTs two blocks. The same layers, names
+# and code paths (a stage's first block is the one with the stride and the projection)
+# at a fraction of the compile time; the weights files these runs start from are cut alike.
+SMALL_MODELS_MAIN = """
+import runpy, sys
+from jaxtrain.models import resnet, vit
+for name, (stages, block) in list(resnet.RESNETS.items()):
+    resnet.RESNETS[name] = ((1, 1, 1, 1), block)
+for name, (dim, depth, heads) in list(vit.VITS.items()):
+    vit.VITS[name] = (dim, 2, heads)
+sys.argv = ["main.py", *sys.argv[1:]]
+runpy.run_path("main.py", run_name="__main__")
+"""
+
+
+def run_main_small(*args):
+    """run_main with the deep models cut to their smallest form (SMALL_MODELS_MAIN)."""
+    return subprocess.run([sys.executable, "-c", SMALL_MODELS_MAIN, *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def small_torchvision_resnet(name):
+    """torchvision's ResNet `name` (random init, ImageNet's 1000 classes) with one block a
+    stage, as SMALL_MODELS_MAIN cuts jaxtrain's."""
+    from torchvision.models import resnet
+    block = resnet.Bottleneck if name == "resnet50" else resnet.BasicBlock
+    return resnet.ResNet(block, [1, 1, 1, 1])
+
+
 SMALL_RUN = ("--config.data.name=arrays", "--config.train.num_steps=4",
              "--config.train.batch_size=32", "--config.eval.batch_size=64",
              "--config.train.precision=float32")
@@ -186,22 +229,7 @@ def torchvision_resnet18_file(tmp_path_factory):
     return path
 
 
-def test_a_new_class_count_reinitialises_the_head_and_says_so(arrays_32, tmp_path,
-                                                              torchvision_resnet18_file):
-    workdir = tmp_path / "run"
-    result = run_main("--config=configs/folder.py", f"--workdir={workdir}",
-                      f"--config.data.dir={arrays_32}", "--config.model.stem=imagenet",
-                      f"--config.model.init_from={torchvision_resnet18_file}", *SMALL_RUN)
-    assert result.returncode == 0, result.stderr[-2000:]
-    line = (f"initialised from {torchvision_resnet18_file}: 100 tensors loaded; "
-            "re-initialised head Dense_0 (512x1000 -> 512x10)")
-    assert line in result.stdout
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["init_from"]["tensors_loaded"] == 100
-    assert summary["init_from"]["reinitialised"] == [
-        {"tensor": "Dense_0", "weights": [512, 1000], "model": [512, 10]}]
-
-
+@pytest.mark.slow
 def test_another_architecture_is_one_line_and_writes_nothing(arrays_64, tmp_path,
                                                             torchvision_resnet18_file):
     workdir = tmp_path / "run"
@@ -266,11 +294,19 @@ SEED_RUN = ("--config=configs/cifar_seed_cnn.py", "--config.model.batch_norm=Tru
 
 @pytest.fixture(scope="module")
 def cifar_workdir(tmp_path_factory, cifar_batches_dir):
-    """A finished 20-step seed-CNN run on real CIFAR-10 (10 classes)."""
+    """A finished 20-step seed-CNN run on real CIFAR-10 (10 classes): SEED_RUN's, trained
+    in this process (a process of its own took ~2.5 s more to start)."""
+    from configs import cifar_seed_cnn
+    from jaxtrain.run import loop
+    config = cifar_seed_cnn.get_config()
+    config.model.batch_norm = True
+    config.train.batch_size = 32
+    config.eval.batch_size = 100
+    config.data.source = "files"
+    config.data.dir = str(cifar_batches_dir)
+    config.train.num_steps = 20
     workdir = tmp_path_factory.mktemp("source") / "cifar"
-    result = run_main(*SEED_RUN, f"--workdir={workdir}", f"--config.data.dir={cifar_batches_dir}",
-                      "--config.train.num_steps=20")
-    assert result.returncode == 0, result.stderr[-2000:]
+    loop.train_and_evaluate(config, str(workdir))
     return workdir
 
 
@@ -296,6 +332,7 @@ def folder_config(folder, init_from):
     return config
 
 
+@pytest.mark.slow
 def test_a_cifar_run_starts_a_five_class_folder_run(cifar_workdir, five_class_folder):
     run = prepare.setup(folder_config(five_class_folder, cifar_workdir))
     source = readers.read_jaxtrain(readers.jaxtrain_step_dir(str(cifar_workdir), ""), "")
@@ -317,6 +354,7 @@ def test_a_cifar_run_starts_a_five_class_folder_run(cifar_workdir, five_class_fo
     assert run.mean == tuple(meta["mean"]) and run.std == tuple(meta["std"])
 
 
+@pytest.mark.slow
 def test_init_from_is_read_at_step_0_only_and_resume_stays_exact(cifar_workdir,
                                                                   cifar_batches_dir, tmp_path):
     import shutil
@@ -362,6 +400,7 @@ def frozen_backbone_config(folder, init_from, workdir_steps=10):
     return config
 
 
+@pytest.mark.slow
 def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
         cifar_workdir, five_class_folder, tmp_path):
     from jaxtrain.run import loop
@@ -389,6 +428,7 @@ def test_a_frozen_group_is_bitwise_unchanged_and_keeps_no_optimiser_state(
         assert np.asarray(value).tobytes() == end[path].tobytes(), path
 
 
+@pytest.mark.slow
 def test_without_freezing_the_statistics_move(cifar_workdir, five_class_folder, tmp_path):
     from jaxtrain.run import loop
     config = frozen_backbone_config(five_class_folder, cifar_workdir, workdir_steps=2)
@@ -403,6 +443,7 @@ def test_without_freezing_the_statistics_move(cifar_workdir, five_class_folder, 
 
 # ---------------------------------------------------------------- compare: the same start
 
+@pytest.mark.slow
 def test_the_pytorch_twin_starts_from_the_same_weights(arrays_64, torchvision_resnet18_file,
                                                        cifar_subset):
     from jaxtrain.baselines import runner
@@ -423,38 +464,52 @@ def test_the_pytorch_twin_starts_from_the_same_weights(arrays_64, torchvision_re
 
 # ---------------------------------------------------------------- the README's recipes
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["finetune", "finetune_vit"])
 def test_the_fine_tuning_recipes_run_as_the_readme_says(recipe, five_class_folder, tmp_path):
     """configs/finetune.py and configs/finetune_vit.py on a five-class folder, from local
     random-init copies of the weights they name (no network in tests), a few steps at a
-    small size; the linear probe's flags on the ResNet."""
+    small size, the models cut to their smallest form (run_main_small: ResNet-50 with one
+    bottleneck a stage, ViT-S with two blocks; the files alike); the linear probe's flags
+    on the ResNet. A new class count re-initialises the head and says so, in a line and in
+    summary.json."""
     torch.manual_seed(0)
     if recipe == "finetune":
         start = tmp_path / "resnet50.pth"
-        torch.save(torchvision.models.resnet50(weights=None).state_dict(), start)
+        torch.save(small_torchvision_resnet("resnet50").state_dict(), start)
         extra = ("--config.data.image_size=64", "--config.optimizer.groups.backbone.freeze=True",
                  "--config.model.freeze_batch_stats=True")
-        head, loaded = {"tensor": "Dense_0", "weights": [2048, 1000], "model": [2048, 5]}, 265
+        # 265 tensors in the whole ResNet-50; with one block a stage: the stem's conv and BN
+        # (5), four bottlenecks of three convs and BNs and a projection (4 x 20)
+        head, loaded = {"tensor": "Dense_0", "weights": [2048, 1000], "model": [2048, 5]}, 85
     else:
         timm = pytest.importorskip("timm")
         from safetensors.torch import save_file
         start = tmp_path / "vit_small.safetensors"
-        save_file(timm.create_model("vit_small_patch16_224", pretrained=False,
-                                    img_size=32).state_dict(), str(start))
+        save_file(timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32,
+                                    depth=2).state_dict(), str(start))
         extra = ("--config.data.image_size=32",)
-        head, loaded = {"tensor": "head", "weights": [384, 1000], "model": [384, 5]}, 150
+        # 150 with twelve blocks: 6 outside them (patch conv's 2, cls token, position table,
+        # final norm's 2), 12 in each
+        head, loaded = {"tensor": "head", "weights": [384, 1000], "model": [384, 5]}, 6 + 2 * 12
     workdir = tmp_path / "run"
-    result = run_main(f"--config=configs/{recipe}.py", f"--config.data.dir={five_class_folder}",
-                      f"--workdir={workdir}", f"--config.model.init_from={start}", *extra,
-                      "--config.train.num_steps=2", "--config.train.batch_size=16",
-                      "--config.eval.batch_size=50", "--config.train.precision=float32")
+    result = run_main_small(f"--config=configs/{recipe}.py",
+                            f"--config.data.dir={five_class_folder}", f"--workdir={workdir}",
+                            f"--config.model.init_from={start}", *extra,
+                            "--config.train.num_steps=2", "--config.train.batch_size=16",
+                            "--config.eval.batch_size=50", "--config.train.precision=float32")
     assert result.returncode == 0, result.stderr[-3000:]
+    line = (f"initialised from {start}: {loaded} tensors loaded; re-initialised head "
+            f"{head['tensor']} ({'x'.join(map(str, head['weights']))} -> "
+            f"{'x'.join(map(str, head['model']))})")
+    assert line in result.stdout, result.stdout[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["init_from"]["reinitialised"] == [head]
     assert summary["init_from"]["tensors_loaded"] == loaded
     assert summary["steps"] == 2 and summary["test_accuracy"] >= 0
 
 
+@pytest.mark.slow
 def test_init_from_exclude_keeps_a_fresh_head_of_the_same_shape(cifar_workdir, cifar_subset,
                                                                  tmp_path):
     """Ten new classes for ten old ones: the shapes match, so only model.init_from_exclude
@@ -506,6 +561,7 @@ def finetune(folder, workdir, *overrides):
                           cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_finetune_recipe_offline_says_how_to_get_the_weights(cifar_jpeg_folder, tmp_path):
     """No network (the tests' mirror is a closed port): one line that names the mirror
     variable and passing the downloaded file, and nothing trained."""
@@ -519,13 +575,17 @@ def test_the_finetune_recipe_offline_says_how_to_get_the_weights(cifar_jpeg_fold
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_bfloat16_asked_of_a_convolutional_model_on_a_cpu_is_said_to_be_slow(cifar_jpeg_folder,
                                                                            tmp_path):
     """configs/finetune.py's train.precision='auto' is float32 on a CPU, said in one line;
     bfloat16 asked for is honoured, and one line says it is many times slower there and
-    names the flag (float32, or a model without convolutions: no line)."""
+    names the flag (float32, or a model without convolutions: no line). The run is the
+    recipe's with the smallest convolutional model, seed_cnn (the line is the same for
+    every one: checked against ResNet-18's below): bfloat16 convolutions compile and run
+    slowly on a CPU, a ResNet's took twice the time of this whole test."""
     from jaxtrain.run import start
-    done = finetune(cifar_jpeg_folder, tmp_path / "bf16", "--config.model.name=resnet18",
+    done = finetune(cifar_jpeg_folder, tmp_path / "bf16", "--config.model.name=seed_cnn",
                     "--config.model.init_from=", "--config.data.image_size=32",
                     "--config.train.num_steps=1", "--config.train.batch_size=16",
                     "--config.eval.tta=none", "--config.train.precision=bfloat16")
@@ -535,11 +595,13 @@ def test_bfloat16_asked_of_a_convolutional_model_on_a_cpu_is_said_to_be_slow(cif
     assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["precision"] == "bfloat16"
     assert start.precision_note("float32", "resnet18") is None
     assert start.precision_note("bfloat16", "mlp") is None
+    assert start.precision_note("bfloat16", "seed_cnn") == notes[0]
     assert start.precision_note("bfloat16", "resnet18") == notes[0]
     assert start.precision_note("auto", "resnet18").startswith(
         "train.precision='auto': float32 on cpu (")
 
 
+@pytest.mark.slow
 def test_weights_named_for_another_model_say_which_key_to_add(cifar_jpeg_folder, tmp_path):
     """configs/finetune.py is ResNet-50's: ResNet-18's weights alone stop the run before
     any download, with the key that picks the model they are for."""
