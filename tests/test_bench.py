@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import pytest
 
 from configs import cifar_seed_cnn
-from jaxtrain import bench
 from jaxtrain.models.ops import onednn
 from jaxtrain.perf import benchmark, hlo, inspection
 from jaxtrain.runtime import report

@@ -4,6 +4,8 @@ import pytest
 from configs import fashion_mnist_cnn, fashion_mnist_mlp
 from jaxtrain.run import loop
 
+pytestmark = pytest.mark.slow  # each test is a training run
+
 SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
 
 
@@ -27,5 +29,6 @@ def test_cnns_train_on_one_channel_images(tmp_path, model):
     config.model.batch_norm = True
     config.train.batch_size = 64
     config.train.num_steps = 60
+    config.eval.tta = "none"  # the recipe's flip doubles the evaluation of 10,000 images
     summary = loop.train_and_evaluate(config, str(tmp_path))
     assert summary["test_accuracy"] > 0.35  # chance is 0.10; 60 small steps

@@ -48,6 +48,7 @@ def small_config(data_dir, name, **overrides):
                                    **overrides})
 
 
+@pytest.mark.slow
 def test_an_imported_model_trains_and_restores_in_a_fresh_process(mynets, cifar_batches_dir,
                                                                   tmp_path):
     config = small_config(cifar_batches_dir, "mynets:TinyNNX")  # NNX, through Flax's bridge
@@ -65,6 +66,7 @@ def test_an_imported_model_trains_and_restores_in_a_fresh_process(mynets, cifar_
     assert result.stdout.split()[0] == "30"
 
 
+@pytest.mark.slow
 def test_a_module_instance_trains_through_the_python_api(mynets, cifar_batches_dir, tmp_path):
     import flax.nnx as nnx
     import mynets as example
