@@ -26,7 +26,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jaxtrain
-from jaxtrain.cli import parse_flags, usage_error
+from jaxtrain.cli import override_keys, parse_flags, usage_error
+from jaxtrain.config import defaults
 from jaxtrain.run import evaluate_checkpoint
 from jaxtrain.runtime import processes, signals
 
@@ -66,14 +67,8 @@ def eval_config(workdir: str):
     """--mode=eval: the run's own config (WORKDIR/config.json), with this command's
     --config.KEY=VALUE overrides on top; --config's file alone if the workdir has none
     (then --config is needed)."""
-    keys = [arg[len("--config."):].split("=")[0] for arg in sys.argv
-            if arg.startswith("--config.")]
-    overrides = {}
-    for key in keys:
-        node = FLAGS.config
-        for part in key.split("."):
-            node = node[part]
-        overrides[key] = node
+    keys = override_keys(sys.argv)
+    overrides = {key: defaults.value_at(FLAGS.config, key) for key in keys}
     config = evaluate_checkpoint.run_config(workdir, overrides)
     if config is None:
         if FLAGS.config is None:
@@ -128,7 +123,7 @@ def run():
     (jaxtrain/runtime/supervise.py) that outlives a native end in a collective. The process
     then ends without Python's interpreter teardown: everything is written and closed
     by now (and atexit's handlers, such as jax.distributed's shutdown, still run),
-    while tearing down XLA's and TensorStore's objects took ~1.4 s here that
+    while tearing down XLA's and TensorStore's objects takes a noticeable time that
     summary.json could not account for."""
     from jaxtrain.runtime import supervise
     if supervise.wanted(sys.argv[1:]):

@@ -6,6 +6,8 @@ import sys
 
 from absl import flags
 
+from jaxtrain.config import defaults
+
 USAGE_ERROR = 2  # a command or config that cannot work (a failed run exits 1)
 
 
@@ -68,7 +70,7 @@ def split_model_kwargs(argv) -> tuple[list, dict]:
             continue
         if config is None:
             config = load_config_file(argv) or {}
-        if config and has_key(config, f"model.kwargs.{name}"):
+        if config and defaults.has_key(config, f"model.kwargs.{name}"):
             kept.append(arg)  # the file sets it: ml_collections parses it by its type
         else:
             kwargs[name] = value
@@ -113,6 +115,11 @@ def set_model_kwargs(config, kwargs: dict) -> None:
             config.model.kwargs[key] = value
 
 
+def override_keys(argv) -> list[str]:
+    """The KEYs of argv's --config.KEY=VALUE overrides, in order."""
+    return [arg[len("--config."):].split("=")[0] for arg in argv if arg.startswith("--config.")]
+
+
 def config_path(argv) -> str | None:
     path = None
     for i, arg in enumerate(argv):
@@ -128,11 +135,11 @@ def check_config_flag(argv) -> None:
     if "config" not in flags.FLAGS:
         return
     path = config_path(argv)
-    overrides = [arg.split("=")[0] for arg in argv if arg.startswith("--config.")]
+    overrides = override_keys(argv)
     if path is None:
         if overrides:
-            usage_error(f"{overrides[0]} overrides a config, but no --config=FILE names one "
-                        "(e.g. --config=configs/cifar.py)")
+            usage_error(f"--config.{overrides[0]} overrides a config, but no --config=FILE "
+                        "names one (e.g. --config=configs/cifar.py)")
         return  # main() says whether this command needs one
     file = path.partition(":")[0]
     if not os.path.isfile(file):
@@ -166,12 +173,10 @@ def unknown_override(argv, error) -> str:
     """The message for an override of a key the config file lacks."""
     from jaxtrain.config import checks
     config = load_config_file(argv)
-    overrides = [arg[len("--config."):].split("=")[0] for arg in argv
-                 if arg.startswith("--config.")]
     if config is not None:
         known = checks.flat_keys(config)
-        for key in overrides:
-            if not has_key(config, key):
+        for key in override_keys(argv):
+            if not defaults.has_key(config, key):
                 return str(checks.unknown_key_error(key, known))
     missing = str(error).strip("\"'")
     return f"unknown config key {missing!r} (jaxtrain/config/defaults.py lists every key)"
@@ -193,14 +198,3 @@ def load_config_file(argv):
     except Exception:  # the flag parser reports a broken file itself
         return None
 
-
-def has_key(config, key: str) -> bool:
-    node = config
-    for part in key.split("."):
-        try:
-            if part not in node:
-                return False
-            node = node[part]
-        except TypeError:  # a value, not a block
-            return False
-    return True

@@ -8,7 +8,6 @@ compare.json and compare.png hold: jaxtrain/baselines/runner.py. torch is
 imported only when a torch framework runs."""
 import sys
 
-pass
 from jaxtrain import data
 from jaxtrain.baselines import runner
 from jaxtrain.errors import ConfigError, TrainingError

@@ -289,10 +289,8 @@ def divisors(n: int, shown: int = 12) -> str:
 
 
 def _value(config, key):
-    node = config
-    for part in key.split("."):
-        node = node[part]
-    return tuple(node) if isinstance(node, list) else node
+    value = defaults.value_at(config, key)
+    return tuple(value) if isinstance(value, list) else value
 
 
 def check_config(config) -> None:

@@ -12,6 +12,23 @@ import os
 import ml_collections
 
 
+def value_at(config, key: str):
+    """The value at a dotted key ('train.batch_size'); KeyError where a part is missing."""
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def has_key(config, key: str) -> bool:
+    """Whether the dotted key names a block or value of `config`."""
+    try:
+        value_at(config, key)
+    except (KeyError, AttributeError, TypeError):  # a part missing, or a value, not a block
+        return False
+    return True
+
+
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0

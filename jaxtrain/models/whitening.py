@@ -4,9 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-pass
-
-
 STEM_KERNEL = ("Conv_0", "kernel")  # where cifar_cnn keeps its stem's weights
 STEM_INITS = ("default", "whiten")
 WHITENING_IMAGES = 5000  # training images the whitened stem's filters are computed from

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxtrain.config import checks, defaults
 from jaxtrain.runtime import processes, report, xla_cache
-from jaxtrain.training import checkpoint, prepare, replicas, train_state
+from jaxtrain.training import checkpoint, placement, prepare, replicas, train_state
 
 
 def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None) -> dict:
@@ -55,7 +55,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     manager = checkpoint.create_manager(directory, create=False)
     try:
         restored = checkpoint.restore(
-            manager, checkpoint.restore_target(run.state, prepare.state_sharding(run)),
+            manager, checkpoint.restore_target(run.state, placement.state_sharding(run)),
             run.data_key, step, choose=lambda older: f"--checkpoint={older} evaluates the "
             "newest of them")
     finally:
@@ -63,7 +63,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     if restored is None:
         raise checkpoint.CheckpointError(f"no checkpoint in {directory}")
     state = restored[0]
-    eval_arrays = prepare.put_eval_data(config, run)
+    eval_arrays = placement.put_eval_data(config, run)
     evaluate = prepare.compile_eval(config, run, state, eval_arrays)
     with report.evaluation_progress(evaluate.batches, processes.is_main_process()) as bar:
         metrics = jax.device_get(evaluate(state, *eval_arrays, progress=bar.update))
@@ -115,10 +115,8 @@ def run_config(workdir: str, overrides=None):
                                   else value)
     merge(config, saved)
     for key, value in (overrides or {}).items():
-        *blocks, name = key.split(".")
-        node = config
-        for block in blocks:
-            node = node[block]
+        block, _, name = key.rpartition(".")
+        node = defaults.value_at(config, block) if block else config
         with node.ignore_type():
             node[name] = value
     return config

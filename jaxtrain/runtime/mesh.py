@@ -4,9 +4,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-pass
-
-
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 FSDP_MIN_ELEMENTS = 4096  # parallel.fsdp: smaller tensors (biases, norms, BN statistics) stay replicated

@@ -120,7 +120,7 @@ def unknown_names(names) -> list[str] | None:
 
 def xla_refuses(tokens) -> str | None:
     """XLA's own verdict on these flags, from a child process that only parses them
-    (JAX_PLATFORMS=cpu, no device touched; 2-4 s, so only for names the binaries did
+    (JAX_PLATFORMS=cpu, no device touched; seconds, so only for names the binaries did
     not show): its error line ('Unknown flag in XLA_FLAGS: ...', "Couldn't interpret
     value ..."), or None when XLA takes them."""
     env = dict(os.environ, XLA_FLAGS=" ".join(tokens), JAX_PLATFORMS="cpu")

@@ -289,8 +289,8 @@ class Stream:
         if self.workers:
             dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
                 num_workers=self.workers, per_worker_buffer_size=2), worker_init_fn=_worker_init)
-        # (Grain's ThreadPrefetchIterDataset after mp_prefetch cost ~40 ms a batch here,
-        # so the read-ahead to the devices is _read_ahead's few lines instead.)
+        # (Grain's ThreadPrefetchIterDataset after mp_prefetch cost more per batch than
+        # the read-ahead to the devices of _read_ahead's few lines.)
         self._iterator = iter(dataset)
         self._ahead.clear()
         self._state = copy.deepcopy(self._iterator.get_state())

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.training import train_state
+from jaxtrain.training import optim, train_state
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"  # WORKDIR/config.json: the recipe of the checkpoints beside it
@@ -152,19 +152,15 @@ def wait(manager) -> None:
                               "earlier checkpoints are untouched") from error
 
 
-def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                    for k in keys)
-
-
 def check_compatible(manager, step: int, target: dict) -> None:
     """Raises CheckpointError naming the first parameter whose shape or presence differs."""
     saved = manager.item_metadata(step)["state"]
-    saved_leaves = {_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+    saved_leaves = {optim.param_path(p): leaf
+                    for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
     if not saved_leaves:  # files gone: damage, not another model (restore falls back)
         raise FileNotFoundError(f"{manager.directory}/{step}: no readable state metadata")
     # parameters first: they name the layer that differs most plainly
-    ordered = [(f"{top}/{_path(path)}" if path else top, leaf)
+    ordered = [(f"{top}/{optim.param_path(path)}" if path else top, leaf)
                for top in ("params", "batch_stats", "opt_state", "step", "rng", "ema")
                if top in target
                for path, leaf in jax.tree_util.tree_leaves_with_path(target[top])]
@@ -292,7 +288,7 @@ def params_sha256(state) -> str:
     digest = hashlib.sha256()
     for tree in (state.params, state.batch_stats):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            digest.update(_path(path).encode())
+            digest.update(optim.param_path(path).encode())
             digest.update(np.ascontiguousarray(host_value(leaf)).tobytes())
     return digest.hexdigest()
 

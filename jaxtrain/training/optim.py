@@ -58,8 +58,9 @@ def create_schedule(opt, total_steps: int) -> optax.Schedule:
 # ---------------------------------------------------------------- parameter groups
 
 def param_path(path) -> str:
-    """A parameter's '/'-joined path, e.g. 'ConvBlock_0/Conv_1/kernel'."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """A parameter's (any pytree leaf's) '/'-joined path, e.g. 'ConvBlock_0/Conv_1/kernel'."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path)
 
 
 def group_settings(opt, name: str) -> ml_collections.ConfigDict:

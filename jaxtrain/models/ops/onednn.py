@@ -1,8 +1,7 @@
 """2-D convolutions on the CPU through oneDNN (model.conv_impl).
 
-XLA:CPU runs a convolution's weight gradient slowly and puts layout copies around it:
-in the Fashion-MNIST CNN's step the convolutions and their copies were 70% of the op
-time, twice what PyTorch's oneDNN takes for the same layers. 'onednn' hands the forward
+XLA:CPU runs a convolution's weight gradient slowly and puts layout copies around it
+(BENCHMARKS.md, "Convolutional nets on the CPU", has the figures). 'onednn' hands the forward
 pass and both gradients of each float32 2-D convolution to oneDNN (the library PyTorch
 uses on a CPU) as XLA FFI custom calls (jax.ffi): jaxtrain/models/ops/onednn_conv.cc, compiled on
 first use, once per machine, against the oneDNN wheel of the `cpu` extra and jaxlib's

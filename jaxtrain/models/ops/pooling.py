@@ -2,12 +2,12 @@
 
 lax's max-pool (nn.max_pool) is a windowed reduction whose gradient is
 select-and-scatter. XLA:CPU expands that into index arithmetic (iotas, another windowed
-reduction and a scatter): 37 ms for a 2x2 pool of (256, 27, 27, 16), 65x its forward
-pass, and half of the Fashion-MNIST CNN's training step. 'corners' computes the same
+reduction and a scatter), many times its forward pass (BENCHMARKS.md, "Convolutional nets
+on the CPU"). 'corners' computes the same
 2x2 pool as the maximum of the four strided views of its windows' corners, and its
 gradient as four masked copies of the incoming gradient, each window's first maximum
 taking it, in select-and-scatter's own scan order: the same numbers to the bit, ties
-included (tests/test_pooling.py), 3x faster there. GPUs keep lax's ('auto' chooses
+included (tests/test_pooling.py), and faster there. GPUs keep lax's ('auto' chooses
 'corners' on a CPU only).
 """
 import flax.linen as nn
