@@ -597,7 +597,7 @@ def preflight() -> dict:
     from jaxtrain.baselines import runner
     from jaxtrain.config import checks
     from jaxtrain.runtime import xla_flags
-    from jaxtrain.training import optim, prepare
+    from jaxtrain.training import model_state, optim
 
     runner.check_torch_device(info["backend"], torch.cuda.is_available(), torch.__version__)
     # Not a failure here: an item with a flag the device's XLA lacks fails in seconds, alone.
@@ -606,7 +606,7 @@ def preflight() -> dict:
     config = cifar_speedrun.get_config()
     checks.check_config(config)
     model = models.create_model(config.model, 10, checks.compute_dtype(config.train.precision))
-    params = prepare.abstract_init(model, config.model, (32, 32, 3))["params"]
+    params = model_state.abstract_init(model, config.model, (32, 32, 3))["params"]
     tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 100))
     opt_state = jax.eval_shape(tx.init, params)
     jax.eval_shape(tx.update, params, opt_state, params)

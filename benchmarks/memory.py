@@ -74,7 +74,8 @@ class TimedStep:
         from jaxtrain.perf import memory
         from jaxtrain.runtime import mesh
         from jaxtrain.training import prepare
-        run = prepare.setup(config, prepare.create_mesh(config))  # initialised, laid out
+        from jaxtrain.training import placement
+        run = prepare.setup(config, placement.create_mesh(config))  # initialised, laid out
         self.compiled, _ = memory.compile_step(config, run)
         self.state = run.state
         batch = config.train.batch_size

@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from configs import cifar_seed_cnn, fashion_mnist_mlp  # noqa: E402
 from jaxtrain import models
-from jaxtrain.training import chunks, prepare  # noqa: E402
+from jaxtrain.training import chunks, placement, prepare  # noqa: E402
 
 RECIPES = (("seed_cnn", cifar_seed_cnn, 500), ("mlp", fashion_mnist_mlp, 468))
 
@@ -43,7 +43,7 @@ def probe(module, steps: int, replicas: int, data_dir: str) -> dict:
     run = prepare.setup(config)
     kind = chunks.resolve_loop("auto", models.xla_convolutions(config.model))
     step_kwargs = prepare.step_arguments(config, run)
-    x_train, y_train = prepare.put_train_data(run)
+    x_train, y_train = placement.put_train_data(run)
     together = jax.tree.map(lambda leaf: jnp.stack([leaf] * replicas), run.state)
     keys = jnp.stack([run.data_key] * replicas)
     single = chunks.compile_chunks(kind, run.state, x_train, y_train, run.data_key, {steps},

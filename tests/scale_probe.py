@@ -51,13 +51,14 @@ def config_for(spec: dict):
 def captured_state(workdir: str):
     """The final state of the run in `workdir`, as its layout left it on the devices."""
     from jaxtrain.training import checkpoint, prepare
+    from jaxtrain.training import placement
     config = config_for(json.loads(open(f"{workdir}/spec.json").read()))
-    mesh = prepare.create_mesh(config)
+    mesh = placement.create_mesh(config)
     run = prepare.setup(config, mesh, abstract_state=True)
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False)
     try:
         state, _, _ = checkpoint.restore(
-            manager, checkpoint.restore_target(run.state, prepare.state_sharding(run)),
+            manager, checkpoint.restore_target(run.state, placement.state_sharding(run)),
             run.data_key)
     finally:
         manager.close()

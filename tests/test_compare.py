@@ -16,7 +16,8 @@ from configs import cifar, cifar_seed_cnn, cifar_speedrun, default
 from jaxtrain import data, models
 from jaxtrain.baselines import runner, torch_models, torch_optim
 from jaxtrain.models import whitening
-from jaxtrain.training import augment, evaluation, optim, prepare, train_state
+from jaxtrain.training import augment, evaluation, model_state, optim, prepare, train_state
+from jaxtrain.training import inputs as inputs_lib
 from jaxtrain.training import step as step_lib
 from overrides import with_overrides
 
@@ -204,7 +205,7 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     config.optimizer.weight_decay = 5e-3
     config.train.label_smoothing = 0.2
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = prepare.channel_stats(dataset, config)
+    mean, std = inputs_lib.channel_stats(dataset, config)
     images, labels = dataset.x_train[:32], dataset.y_train[:32]
     shape = dataset.image_shape
 
@@ -420,7 +421,7 @@ def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
     dataset, state = run.dataset, run.state
     stats = jax.tree.map(lambda v: v + 0.3, state.batch_stats)
     state = state.replace(batch_stats=stats)
-    eval_arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, config.eval.batch_size)
+    eval_arrays = inputs_lib.batch_for_eval(dataset.x_test, dataset.y_test, config.eval.batch_size)
     expected = jax.device_get(jax.jit(functools.partial(
         evaluation.evaluate, **prepare.eval_arguments(config, run)))(state, *eval_arrays))
     twin = torch_models.load_flax_variables(
@@ -495,8 +496,8 @@ def test_torch_fast_trains_the_record_recipe_in_bfloat16(cifar_batches_dir):
     config = record_config(cifar_batches_dir, train__precision="bfloat16", train__batch_size=50,
                            augment__rotate=10.0, augment__cutout=6)
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = prepare.channel_stats(dataset, config)
-    stem_kernel = prepare.whitening_fn(config, mean, std)(
+    mean, std = inputs_lib.channel_stats(dataset, config)
+    stem_kernel = model_state.whitening_fn(config, mean, std)(
         dataset.x_train[:whitening.WHITENING_IMAGES])
     result = runner.run_torch_fast(config, dataset, mean, std, total_steps=4,
                                    stem_kernel=stem_kernel, bfloat16=True)
@@ -869,7 +870,7 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
         r"(.*/)?BatchNorm_\d+/(scale|bias)|Dense_0/bias", weight_decay=0.0, lr_scale=0.5)
     config.train.label_smoothing = 0.2
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = prepare.channel_stats(dataset, config)
+    mean, std = inputs_lib.channel_stats(dataset, config)
     images, labels = dataset.x_train[:8], dataset.y_train[:8]
     inputs = (images / 255.0 - np.asarray(mean)) / np.asarray(std)  # float64, NHWC
     shape = dataset.image_shape

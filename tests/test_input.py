@@ -27,7 +27,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.run import loop
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import report
-from jaxtrain.training import batches, checkpoint, prepare
+from jaxtrain.training import batches, checkpoint, inputs
 from jaxtrain.training import step as step_lib
 
 pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
@@ -153,7 +153,7 @@ def test_a_streamed_folders_statistics_come_from_a_sample(cifar_jpeg_folder):
     np.testing.assert_array_equal(dataset.y_train, decoded.y_train)
     config = small_config(cifar_jpeg_folder, data__mean=(), data__std=())
     # 640 images < STATS_IMAGES: the sample is the whole split, so the statistics are equal
-    assert prepare.channel_stats(dataset, config) == prepare.channel_stats(decoded, config)
+    assert inputs.channel_stats(dataset, config) == inputs.channel_stats(decoded, config)
 
 
 def test_random_resized_crops_depend_on_seed_epoch_and_image_only(imagenet_folder):

@@ -22,7 +22,7 @@ from jaxtrain.run import loop, projection, start
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import rows as rows_lib
 from jaxtrain.runtime import phases, report
-from jaxtrain.training import chunks, optim, prepare, train_state
+from jaxtrain.training import chunks, inputs, optim, train_state
 from jaxtrain.training import step as step_lib
 
 pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
@@ -94,7 +94,7 @@ def test_channel_statistics_equal_numpy_over_the_whole_split():
     images[:, :, :, 2] //= 3  # channels differ
     dataset = type("D", (), {"x_train": images, "image_shape": (8, 8, 3)})()
     config = type("C", (), {"data": type("Data", (), {"mean": (), "std": ()})()})()
-    mean, std = prepare.channel_stats(dataset, config)
+    mean, std = inputs.channel_stats(dataset, config)
     np.testing.assert_allclose(mean, (images / 255.0).mean(axis=(0, 1, 2)), rtol=1e-9)
     np.testing.assert_allclose(std, (images / 255.0).std(axis=(0, 1, 2)), rtol=1e-9)
 

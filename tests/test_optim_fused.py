@@ -13,7 +13,7 @@ from test_speedrun import narrow_speedrun
 from configs import cifar_speedrun
 from jaxtrain.errors import ConfigError
 from jaxtrain.perf import hlo
-from jaxtrain.training import checkpoint, chunks, optim, prepare, replicas
+from jaxtrain.training import checkpoint, chunks, optim, placement, prepare, replicas
 
 pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
 
@@ -105,7 +105,7 @@ def test_stacked_newton_schulz_takes_muon_s_steps_in_fewer_matrix_products():
 def train_twenty_steps(config, run, state):
     """(kernels per step of the compiled scanned chunk, the state after 10 and 20 steps,
     the chunk): two epochs of 10 steps from `state`."""
-    x_train, y_train = prepare.put_train_data(run)
+    x_train, y_train = placement.put_train_data(run)
     run_chunk = chunks.compile_chunks("scan", state, x_train, y_train, run.data_key, {10},
                                       prepare.step_arguments(config, run))
     kernels = sum(hlo.kernel_counts(run_chunk.programs[0].as_text()).values())
@@ -120,7 +120,7 @@ def test_flattened_groups_train_the_speedrun_bit_for_bit_in_fewer_kernels(
         cifar_batches_dir, tmp_path):
     config = narrow_speedrun(cifar_batches_dir, train__num_steps=20)
     flat_config = with_keys(config, flatten=True)
-    run = prepare.setup(config, prepare.create_mesh(config))
+    run = prepare.setup(config, placement.create_mesh(config))
     # the flat run's initial state: the same weights, its optimiser's state (as setup makes it)
     tx = replicas.create_optimizer(flat_config, run.total_steps, FROZEN)
     initial = run.state.replace(tx=tx, opt_state=tx.init(run.state.params))

@@ -28,7 +28,7 @@ from jaxtrain import ConfigError
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes as processes_lib
 from jaxtrain.runtime import report
-from jaxtrain.training import prepare
+from jaxtrain.training import inputs, placement
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -375,21 +375,21 @@ def test_a_batch_that_does_not_split_over_the_devices_stops_with_a_message(
 
 def test_check_batch_split_names_the_nearest_sizes():
     mesh = mesh_lib.create_mesh()  # this process: one device
-    prepare.check_batch_split(7, mesh)
+    placement.check_batch_split(7, mesh)
 
     class EightDevices:
         size = 8
-    prepare.check_batch_split(64, EightDevices)
+    placement.check_batch_split(64, EightDevices)
     with pytest.raises(ConfigError, match=r"use a multiple of 8 \(e\.g\. 8\)"):
-        prepare.check_batch_split(3, EightDevices)
+        placement.check_batch_split(3, EightDevices)
 
 
 def test_eval_batches_round_up_to_the_device_count(cifar_subset):
     x, y = cifar_subset["x_test"], cifar_subset["y_test"]  # 500 images
-    images, labels, valid = prepare.batch_for_eval(x, y, 1000, multiple_of=8)
+    images, labels, valid = inputs.batch_for_eval(x, y, 1000, multiple_of=8)
     assert images.shape[:2] == labels.shape == valid.shape == (1, 504)
     assert valid.sum() == 500 and (images[0, :500] == x).all()
-    images, _, valid = prepare.batch_for_eval(x, y, 100, multiple_of=8)
+    images, _, valid = inputs.batch_for_eval(x, y, 100, multiple_of=8)
     assert images.shape[:2] == (5, 104) and valid.sum() == 500
 
 

@@ -25,7 +25,7 @@ from jaxtrain.config.defaults import get_config
 from jaxtrain.run import loop
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import report
-from jaxtrain.training import prepare
+from jaxtrain.training import placement
 
 pytestmark = pytest.mark.usefixtures("compile_quickly")  # conftest.py
 
@@ -126,12 +126,12 @@ def test_accumulate_steps_must_divide_the_batch():
 
 def test_the_batch_per_device_must_split_into_micro_batches():
     mesh = mesh_lib.create_mesh(jax.devices() * 1)
-    prepare.check_batch_split(32, mesh, 4)
+    placement.check_batch_split(32, mesh, 4)
     with pytest.raises(ConfigError, match=r"accumulate_steps=64 does not divide the batch per "
                                           r"device \(32 / 1 devices = 32 images\): use one of "
                                           r"1, 2, 4, 8, 16, 32, or a batch_size that is a "
                                           r"multiple of 64 \(e\.g\. 64\)$"):
-        prepare.check_batch_split(32, mesh, 64)
+        placement.check_batch_split(32, mesh, 64)
 
 
 # ---------------------------------------------------------------- remat

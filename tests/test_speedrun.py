@@ -17,7 +17,7 @@ from configs import cifar_speedrun
 from jaxtrain.perf import benchmark, hlo
 from jaxtrain.run import loop, start
 from jaxtrain.run import plan as plan_lib
-from jaxtrain.training import checkpoint, prepare
+from jaxtrain.training import checkpoint, placement, prepare
 
 SEED = 3
 
@@ -154,7 +154,7 @@ def test_the_plan_and_the_programs_are_cut_at_the_stem_bias_s_last_step(cifar_ba
     plan = plan_lib.plan_chunks(20, 10, start_step=10, breaks=tuple(cuts))
     assert plan == [(1, 0, 5), (1, 5, 5)]
     run_chunk = start.compile_training(config, run, run.state, run.data_key, plan, None,
-                                      prepare.put_train_data(run), cuts)
+                                      placement.put_train_data(run), cuts)
     (before,), (after,) = [step_convolutions(program.as_text())
                            for program in run_chunk.programs]
     assert after == before - 1 and after > 0
@@ -169,8 +169,8 @@ def test_the_benchmark_s_one_program_drops_the_gradient_after_the_cut(cifar_batc
     _, reference = main_run
     config = narrow_speedrun(cifar_batches_dir, train__drop_finished_groups=True)
     run = prepare.setup(config, abstract_state=True)
-    x_train, y_train = prepare.put_train_data(run)
-    eval_arrays = prepare.put_eval_data(config, run)
+    x_train, y_train = placement.put_train_data(run)
+    eval_arrays = placement.put_eval_data(config, run)
     whole_run = benchmark.whole_run_fn(config, run, with_weights=True)
     program = jax.jit(lambda *args: whole_run(*args)[1]).lower(
         np.int32(SEED), x_train, y_train, eval_arrays).compile()

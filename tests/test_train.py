@@ -16,7 +16,7 @@ from configs import cifar, cifar_seed_cnn, default
 from jaxtrain import ConfigError, TrainingError, data, models
 from jaxtrain.run import loop
 from jaxtrain.runtime import report
-from jaxtrain.training import augment, evaluation, optim, prepare, train_state
+from jaxtrain.training import augment, evaluation, inputs, optim, prepare, train_state
 from jaxtrain.training import chunks as chunks_lib
 from jaxtrain.training import step as step_lib
 
@@ -183,7 +183,7 @@ def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
     state = made_up_state(model, tx, (32, 32, 3))
     results = []
     for batch_size in (500, 300, 7):
-        arrays = prepare.batch_for_eval(dataset.x_test, dataset.y_test, batch_size)
+        arrays = inputs.batch_for_eval(dataset.x_test, dataset.y_test, batch_size)
         assert int(arrays[2].sum()) == 500
         results.append(evaluation.evaluate(state, *arrays, mean=(0.5,), std=(0.25,), tta="flip",
                                            pad_mode="reflect"))
@@ -497,7 +497,7 @@ def tta_setup(cifar_subset):
     state = made_up_state(model, optax.sgd(0.1), (32, 32, 3))
     # 500 images in batches of 200: 100 padding rows, random images (not black) so that
     # TTA would change their logits if they were ever picked
-    arrays = list(prepare.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
+    arrays = list(inputs.batch_for_eval(cifar_subset["x_test"], cifar_subset["y_test"], 200))
     noise = np.random.default_rng(0).integers(0, 256, (100, 32, 32, 3), dtype=np.uint8)
     arrays[0][-1, 100:] = noise
     return state, tuple(arrays)
@@ -537,7 +537,7 @@ def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
 @pytest.mark.slow
 def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup):
     state, (x, y, valid) = tta_setup
-    assert prepare.tta_image_count(1.0, 500) is None and prepare.tta_image_count(0.0, 500) == 0
+    assert inputs.tta_image_count(1.0, 500) is None and inputs.tta_image_count(0.0, 500) == 0
     old = [per_view_logits(state, jnp.asarray(batch), "flip") for batch in x]
     losses = [optax.softmax_cross_entropy_with_integer_labels(logits, labels)
               for logits, labels in zip(old, y)]
@@ -556,8 +556,8 @@ def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup)
 def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup, fraction,
                                                                       count):
     state, arrays = tta_setup
-    assert prepare.tta_image_count(fraction, 500) == count
-    assert prepare.tta_image_count(0.3, 10) == 3  # not 4 from 0.30000000000000004 x 10
+    assert inputs.tta_image_count(fraction, 500) == count
+    assert inputs.tta_image_count(0.3, 10) == 3  # not 4 from 0.30000000000000004 x 10
     plain, full = logits(state, arrays, "none"), logits(state, arrays, "flip")
     mixed = logits(state, arrays, "flip", count)
     plain, full, mixed = (a.reshape(-1, 10) for a in (plain, full, mixed))

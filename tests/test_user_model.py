@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from overrides import with_overrides
@@ -101,3 +102,97 @@ def test_compare_refuses_a_model_without_a_twin(mynets, cifar_batches_dir, tmp_p
     assert runner.torch_unsupported(config) == [
         "model.name='mynets:TinyNet' (your own model has no PyTorch twin)"]
     assert user.is_user_model("a.b:C") and not user.is_user_model("resnet18")
+
+
+# Models whose init needs a random stream besides 'params' (dropout built with `rngs`), and
+# one with a bug of its own: docs/models.md's forms, written as dropnets.py.
+DROPNETS = '''
+import flax.linen as nn
+from flax import nnx
+
+
+class DropNNX(nnx.Module):
+    def __init__(self, num_classes: int, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(32 * 32 * 3, 32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)  # takes the 'dropout' stream at init
+        self.head = nnx.Linear(32, num_classes, rngs=rngs)
+
+    def __call__(self, x, train: bool = False):
+        x = nnx.relu(self.hidden(x.reshape(x.shape[0], -1)))
+        return self.head(self.dropout(x, deterministic=not train))
+
+
+class DropLinen(nn.Module):
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(self.num_classes)(nn.Dropout(0.5, deterministic=not train)(x))
+
+
+class Misspelt(nn.Module):
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1)) * scael  # noqa: F821
+'''
+
+
+@pytest.fixture(scope="module")
+def dropnets(tmp_path_factory, monkeypatch_module):
+    folder = tmp_path_factory.mktemp("dropnets")
+    (folder / "dropnets.py").write_text(DROPNETS)
+    monkeypatch_module.syspath_prepend(str(folder))
+    import dropnets
+    return dropnets
+
+
+@pytest.mark.slow
+def test_models_with_dropout_train_by_name_and_by_instance(dropnets, cifar_batches_dir,
+                                                           tmp_path):
+    """nnx.Dropout built with the module's rngs needs a 'dropout' stream at init (it was a
+    KeyError blamed on the image size); Linen's nn.Dropout needs one in training only. Each
+    trains by name and as an instance, and its training steps do drop: the same state
+    evaluated twice agrees, trained twice with two keys does not."""
+    import flax.nnx as nnx
+    config = small_config(cifar_batches_dir, "cifar_cnn", train__num_steps=4,
+                          model__batch_norm=False)
+    instances = {"DropNNX": dropnets.DropNNX(num_classes=10, rngs=nnx.Rngs(0)),
+                 "DropLinen": dropnets.DropLinen(num_classes=10)}
+    for name, instance in instances.items():
+        config.model.name = f"dropnets:{name}"
+        by_name = jaxtrain.train_and_evaluate(config, str(tmp_path / name))
+        config.model.name = "cifar_cnn"
+        given = jaxtrain.train_and_evaluate(config, str(tmp_path / f"{name}_instance"),
+                                            model=instance)
+        for summary in (by_name, given):
+            assert summary["steps"] == 4 and np.isfinite(summary["test_loss"]), name
+        assert by_name["param_count"] == given["param_count"] == 3072 * 32 + 32 + 32 * 10 + 10
+        restored = jaxtrain.restore(str(tmp_path / name))
+        variables = {"params": restored.state.params}
+        images = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype(np.float32)
+        apply = restored.state.apply_fn
+        assert np.array_equal(apply(variables, images), apply(variables, images))
+        dropped = [apply(variables, images, train=True, rngs={"dropout": jax.random.key(k)})
+                   for k in (1, 2)]
+        assert not np.allclose(dropped[0], dropped[1]), name
+
+
+def test_a_models_own_error_keeps_its_traceback_and_a_misfit_is_one_line(dropnets):
+    """A NameError inside the user's model is raised as it is, with its traceback; only
+    shapes that do not fit become the config message naming the key."""
+    from jaxtrain import ConfigError
+    from jaxtrain.training import model_state
+    config = small_config("/nowhere", "dropnets:Misspelt").model
+    model = models.create_model(config, 10, np.float32)
+    with pytest.raises(NameError, match="scael") as raised:
+        model_state.abstract_init(model, config, (32, 32, 3))
+    assert any(entry.name == "__call__" and str(entry.path).endswith("dropnets.py")
+               for entry in raised.traceback)
+    config = small_config("/nowhere", "cifar_cnn", model__widths=(8,) * 6).model
+    with pytest.raises(ConfigError, match=r"config.model.widths=\(8, 8, 8, 8, 8, 8\): cifar_cnn "
+                                          r"halves the image once per block: 6 blocks are too "
+                                          r"many for 32x32x3 images"):
+        model_state.abstract_init(models.create_model(config, 10, np.float32), config, (32, 32, 3))

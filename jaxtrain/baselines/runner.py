@@ -50,6 +50,7 @@ from jaxtrain.models import user, whitening
 from jaxtrain.run import loop, plan
 from jaxtrain.runtime import report, xla_flags
 from jaxtrain.training import augment as augment_lib
+from jaxtrain.training import inputs as inputs_lib
 from jaxtrain.training import prepare
 
 FRAMEWORKS = ("jax", "torch_article", "torch_fast")
@@ -174,7 +175,7 @@ def torch_evaluate(model, batches, *, mean, std, tta, pad_mode, device,
                    autocast=contextlib.nullcontext(), tta_images=None, tta_in_one_batch=False,
                    dtype=None):
     """Test loss and accuracy with BatchNorm in eval mode and the config's TTA; batches
-    yield (images in [0, 1] or uint8, NCHW, labels). tta_images (prepare.tta_image_count):
+    yield (images in [0, 1] or uint8, NCHW, labels). tta_images (inputs_lib.tta_image_count):
     None = TTA on every image, k = only on the k least confident (evaluation.eval_logits).
     tta_in_one_batch, dtype: tta_logits' one_batch and dtype."""
     import torch
@@ -208,8 +209,8 @@ def torch_evaluate(model, batches, *, mean, std, tta, pad_mode, device,
 
 
 def tta_images(config, dataset):
-    """eval.tta_fraction as torch_evaluate's tta_images (prepare.tta_image_count)."""
-    return prepare.tta_image_count(config.eval.tta_fraction, len(dataset.x_test))
+    """eval.tta_fraction as torch_evaluate's tta_images (inputs_lib.tta_image_count)."""
+    return inputs_lib.tta_image_count(config.eval.tta_fraction, len(dataset.x_test))
 
 
 def device_name(device) -> str:

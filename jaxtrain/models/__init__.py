@@ -84,6 +84,16 @@ REMAT_MODELS = ("cifar_cnn", *resnet.RESNETS, *vit.VITS)
 BN_MODELS = ("seed_cnn", "cifar_cnn", "mlp", *resnet.RESNETS)
 
 
+def init_variables(model, key, image_shape):
+    """The model's variables for images of `image_shape`, as its init (inference mode)
+    makes them from `key`. The init is given a 'dropout' stream beside 'params': a model
+    that builds its dropout with its random streams (NNX's nnx.Dropout(rngs=...), through
+    Flax's Linen bridge) needs one at init. The parameters are init(key)'s either way."""
+    import jax.numpy as jnp
+    return model.init({"params": key, "dropout": jax.random.fold_in(key, 1)},
+                      jnp.zeros((1, *image_shape), jnp.float32), train=False)
+
+
 def frozen_params(model_config) -> tuple:
     """'/'-joined paths of the parameters the optimiser must leave as initialised."""
     if whitening.has_whitened_stem(model_config):

@@ -59,8 +59,8 @@ from jaxtrain.config import checks  # noqa: E402
 from jaxtrain.errors import ConfigError, TrainingError  # noqa: E402
 from jaxtrain.models import whitening  # noqa: E402
 from jaxtrain.runtime import mesh as mesh_lib, processes, xla_flags  # noqa: E402
-from jaxtrain.training import (chunks, evaluation, prepare, step as step_lib,  # noqa: E402
-                               train_state)
+from jaxtrain.training import (chunks, evaluation, inputs, model_state,  # noqa: E402
+                               placement, prepare, step as step_lib, train_state)
 
 
 def device_resident(run, what: str):
@@ -83,7 +83,7 @@ def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, st
     """One run from its seed to its test metrics: the body of the benchmark's one program.
 
     Seeds derive keys exactly as prepare.setup does, and a whitened stem's filters
-    come from the same function (`whiten`, prepare.whitening_fn, or None) computed
+    come from the same function (`whiten`, model_state.whitening_fn, or None) computed
     here, inside the timed program, as the public speedruns count it; so a run
     here is the run `python main.py` makes with the same config and seed.
     `cuts` (train.drop_finished_groups: step.finished_groups): the steps from each cut
@@ -177,11 +177,11 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
         raise UsageError("the speedrun benchmark times replicated runs; parallel.fsdp is for "
                          "main.py, --inspect and --memory")
     mesh = mesh_lib.create_mesh(select_devices(devices))
-    prepare.check_batch_split(config.train.batch_size, mesh,  # before loading any data
+    placement.check_batch_split(config.train.batch_size, mesh,  # before loading any data
                               config.train.accumulate_steps)
     run = device_resident(prepare.setup(config, mesh, abstract_state=True), "the benchmark")
-    x_train, y_train = prepare.put_train_data(run)
-    eval_arrays = prepare.put_eval_data(config, run)
+    x_train, y_train = placement.put_train_data(run)
+    eval_arrays = placement.put_eval_data(config, run)
     replicated = mesh_lib.replicated(run.mesh)
     program = jax.jit(whole_run_fn(config, run), out_shardings=replicated)
     start = time.perf_counter()
@@ -254,7 +254,7 @@ def whole_run_fn(config, run, **kwargs):
     return functools.partial(
         whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
         state_sharding=mesh_lib.replicated(run.mesh),
-        whiten=(prepare.whitening_fn(config, run.mean, run.std)
+        whiten=(model_state.whitening_fn(config, run.mean, run.std)
                 if whitening.has_whitened_stem(config.model) else None),
         steps_per_epoch=run.steps_per_epoch,
         total_steps=run.total_steps, step_kwargs=prepare.step_arguments(config, run),
@@ -366,8 +366,8 @@ def input_only(config, batches: int = 50, stream=sys.stdout) -> dict:
     with config.unlocked():
         config.data.placement = "stream"
     run = prepare.setup(config, abstract_state=True)
-    prepare.check_batch_split(config.train.batch_size, run.mesh)
-    source = prepare.open_stream(config, run, run.data_key)
+    placement.check_batch_split(config.train.batch_size, run.mesh)
+    source = inputs.open_stream(config, run, run.data_key)
     try:
         start = time.perf_counter()
         source.open(0)

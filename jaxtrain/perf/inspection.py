@@ -30,7 +30,7 @@ from jaxtrain.models.ops import onednn
 from jaxtrain.perf import benchmark, hlo, profile
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes
-from jaxtrain.training import chunks, prepare, step
+from jaxtrain.training import chunks, placement, prepare, step
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets,
 # matched against jax's device_kind; the first match wins.
@@ -128,13 +128,13 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     `repeats` timed chunks. The step's optimised HLO text is written (gzip) to
     `hlo_file`, else into `profile_dir` (HLO_FILE), so a trace's op names can be looked
     up in it."""
-    mesh = prepare.create_mesh(config)
-    prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
+    mesh = placement.create_mesh(config)
+    placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     run = benchmark.device_resident(prepare.setup(config, mesh), "--inspect")
-    x_train, y_train = prepare.put_train_data(run)
+    x_train, y_train = placement.put_train_data(run)
     step_kwargs = prepare.step_arguments(config, run)
     replicated = mesh_lib.replicated(run.mesh)
-    out_sharding = (prepare.state_sharding(run), replicated)
+    out_sharding = (placement.state_sharding(run), replicated)
     order = chunks.epoch_order_fn(len(x_train), step_kwargs, replicated)(run.data_key, np.int32(0))
 
     start = time.perf_counter()

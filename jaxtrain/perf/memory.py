@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxtrain.config import checks
 from jaxtrain.runtime import mesh as mesh_lib
-from jaxtrain.training import batches, checkpoint, prepare
+from jaxtrain.training import batches, checkpoint, placement, prepare
 from jaxtrain.training import step as step_lib
 
 FIELDS = {"arguments_bytes": "argument_size_in_bytes", "outputs_bytes": "output_size_in_bytes",
@@ -71,8 +71,8 @@ def bytes_on_one_device(tree, shardings) -> int:
 def compile_step(config, run=None):
     """(step.train_step compiled for `config`'s shapes and layouts, the Setup)."""
     if run is None:
-        mesh = prepare.create_mesh(config)
-        prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
+        mesh = placement.create_mesh(config)
+        placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
         # The state's shapes do not depend on the batch: set up with the smallest batch
         # the layout takes, so a batch larger than the training split is sized too.
         smallest = config.copy_and_resolve_references()
@@ -85,7 +85,7 @@ def compile_step(config, run=None):
                 smallest.data.mean, smallest.data.std = (0.5,), (0.25,)
         run = prepare.setup(smallest, mesh, abstract_state=True, data_read=stand_in)
     replicated = mesh_lib.replicated(run.mesh)
-    state_sharding = prepare.state_sharding(run)
+    state_sharding = placement.state_sharding(run)
     state = checkpoint.restore_target(run.state, state_sharding)
     batch = config.train.batch_size
     batch_sharding = mesh_lib.batch_sharded(run.mesh)
@@ -104,7 +104,7 @@ def step_memory(config) -> dict:
     """What config's train step needs per device (module docstring), and its layout."""
     compiled, run = compile_step(config)
     result = analysis(compiled) or {}
-    state_sharding = prepare.state_sharding(run)
+    state_sharding = placement.state_sharding(run)
     x, y = run.dataset.x_train, run.dataset.y_train
     result.update({
         "model": config.model.name, "batch_size": config.train.batch_size,

@@ -17,7 +17,8 @@ from jaxtrain.run import rows as rows_lib
 from jaxtrain.run import session as session_lib
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes, report, signals, supervise, xla_cache
-from jaxtrain.training import checkpoint, chunks, prepare, step, train_state
+from jaxtrain.training import (checkpoint, chunks, inputs, model_state, placement, prepare, step,
+                               train_state)
 
 
 def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool, given=(),
@@ -28,8 +29,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     main_process = processes.is_main_process()
     user_callbacks = callbacks_lib.from_config(config, given)
     cache_dir = xla_cache.enable(config.train.compilation_cache)
-    mesh = prepare.create_mesh(config)
-    prepare.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
+    mesh = placement.create_mesh(config)
+    placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
     # Resuming: the initial state's shapes only (no init compiled or run for nothing);
     # the checkpoint fills them.
@@ -54,7 +55,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     if peers is not None:  # named if a peer process is lost
         peers.checkpoints = str(manager.directory)
     supervise.tell(workdir, str(manager.directory))  # and by the parent, if it watches
-    target = (checkpoint.restore_target(run.state, prepare.state_sharding(run)) if resuming
+    target = (checkpoint.restore_target(run.state, placement.state_sharding(run)) if resuming
               else run.state)
     restored = checkpoint.restore(manager, target, run.data_key)
     if restored is None and resuming:  # step folders that Orbax does not list: none whole
@@ -73,7 +74,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     signals.enter_phase(f"compiling; nothing trained in this run yet (checkpoints in "
                         f"{manager.directory})")
 
-    eval_arrays = prepare.put_eval_data(config, run)
+    eval_arrays = placement.put_eval_data(config, run)
     save_every = plan_lib.save_interval(config, run.steps_per_epoch)
     traced = plan_lib.profile_window(start_step, run.total_steps, profile_steps)
     if profile_steps and traced is None and main_process:
@@ -119,7 +120,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
                            else ""))
     replica_info = {"replicas": len(run.runs)} if run.runs else {}
     reporter.print_header(model=config.model.name, **replica_info,
-                          params=prepare.param_count(state.params, run.runs),
+                          params=model_state.param_count(state.params, run.runs),
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
@@ -160,8 +161,8 @@ def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start
     """The training data ready for the first step: (None, arrays on the devices), or (a
     stream opened at start_step, from the checkpoint's Grain state when resuming, None)."""
     if run.placement != "stream":
-        return None, prepare.put_train_data(run)
-    stream = prepare.open_stream(config, run, data_key)
+        return None, placement.put_train_data(run)
+    stream = inputs.open_stream(config, run, data_key)
     if start_step < run.total_steps:
         if "step" in meta:
             resume.resume_stream(stream, manager, meta, start_step)
@@ -194,7 +195,7 @@ def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, 
     if not plan:
         return None
     step_kwargs, replicated = prepare.step_arguments(config, run), mesh_lib.replicated(run.mesh)
-    out_sharding = (prepare.state_sharding(run), replicated)  # (the state's, the metrics')
+    out_sharding = (placement.state_sharding(run), replicated)  # (the state's, the metrics')
     kind = chunks.resolve_loop(config.train.loop, run.xla_convolutions)
 
     def compile_phase(constant, lengths):

@@ -7,7 +7,7 @@ from jaxtrain.perf import memory
 from jaxtrain.run import session as session_lib
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes, report, xla_flags
-from jaxtrain.training import checkpoint, prepare, replicas
+from jaxtrain.training import checkpoint, model_state, placement, replicas
 
 
 def summarize(session: session_lib.Session) -> dict:
@@ -63,7 +63,7 @@ def summarize(session: session_lib.Session) -> dict:
         "precision": checks.resolve_precision(config.train.precision),
         "resumed_from_step": session.start_step if session.resumed else None,
         "batch_size": config.train.batch_size,
-        "param_count": prepare.param_count(state.params, run.runs),
+        "param_count": model_state.param_count(state.params, run.runs),
         "device_kind": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
@@ -84,6 +84,6 @@ def summarize(session: session_lib.Session) -> dict:
         summary.update(replica_results)
         summary["images_per_second_per_replica"] = summary["images_per_second"] / copies
         summary["replica_layout"] = ("split: each device trains whole replicas"
-                                     if prepare.splits_replicas(run) else
+                                     if placement.splits_replicas(run) else
                                      "replicated: every replica's batch split over the devices")
     return summary

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.training import train_state
 
+from jaxtrain import models
 from jaxtrain.models import whitening
 from jaxtrain.training import optim
 
@@ -33,7 +34,7 @@ def create_train_state(key, model, tx, image_shape, sharding=None, stem_kernel=N
     fresh init (model.init_from's weights, jaxtrain/weights/readers.py) before the optimiser
     state is made from them; every replica starts from the same ones."""
     def init(key, hyperparams, initial):
-        variables = model.init(key, jnp.zeros((1, *image_shape), jnp.float32), train=False)
+        variables = models.init_variables(model, key, image_shape)
         if initial:
             variables = {collection: jax.tree_util.tree_map_with_path(
                 lambda path, leaf, c=collection: initial.get(f"{c}/{optim.param_path(path)}",

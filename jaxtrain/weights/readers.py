@@ -326,7 +326,8 @@ def head_name(model, image_shape) -> str:
     """The top-level layer the model calls last: its head. (The params tree cannot
     tell: jax sorts a dict's keys, so 'pos_embed' would follow a ViT's 'head'.)"""
     import flax.linen as nn
-    import jax.numpy as jnp
+
+    from jaxtrain import models
     order = []
 
     def record(next_fun, args, kwargs, context):
@@ -336,8 +337,7 @@ def head_name(model, image_shape) -> str:
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
-        jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *image_shape)),
-                                          train=False))
+        jax.eval_shape(lambda: models.init_variables(model, jax.random.key(0), image_shape))
     return order[-1] if order else ""
 
 
