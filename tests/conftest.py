@@ -150,6 +150,29 @@ def once_per_session(tmp_path_factory, worker_id, name, make):
     return folder, json.loads(result.read_text())
 
 
+# main.py's command line, in a process whose deep built-in models are cut to their
+# smallest form: the ResNets one block a stage, the ViTs two blocks. The same layers, names
+# and code paths (a stage's first block is the one with the stride and the projection)
+# at a fraction of the compile time; the weights files these runs start from are cut alike.
+SMALL_MODELS_MAIN = """
+import runpy, sys
+from jaxtrain.models import resnet, vit
+for name, (stages, block) in list(resnet.RESNETS.items()):
+    resnet.RESNETS[name] = ((1, 1, 1, 1), block)
+for name, (dim, depth, heads) in list(vit.VITS.items()):
+    vit.VITS[name] = (dim, 2, heads)
+sys.argv = ["main.py", *sys.argv[1:]]
+runpy.run_path("main.py", run_name="__main__")
+"""
+
+
+def small_models_main(*args) -> list:
+    """The argv that runs main.py with `args` in a process whose deep built-in models are
+    cut to their smallest form (SMALL_MODELS_MAIN)."""
+    import sys
+    return [sys.executable, "-c", SMALL_MODELS_MAIN, *map(str, args)]
+
+
 def init_compiled(model, x):
     """A Flax model's variables (key 0, train=False) from one compiled init call, as training
     makes them: op by op, each op of a CNN's init compiles on its own (several times slower

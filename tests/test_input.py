@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 import quick_compile
+from conftest import small_models_main
 from overrides import with_overrides
 
 import jaxtrain
@@ -322,13 +323,14 @@ def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
 
 @pytest.mark.slow
 def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path):
+    """The recipe's command with ResNet-50 cut to one bottleneck a stage (the stem, the
+    strided blocks and the projections all in; conftest.small_models_main)."""
     result = subprocess.run(
-        [sys.executable, "main.py", "--config=configs/imagenet_resnet50.py",
-         f"--workdir={tmp_path}", f"--config.data.dir={imagenet_folder}",
-         "--config.data.image_size=64", "--config.data.workers=2",
-         "--config.train.batch_size=8", "--config.train.num_steps=3",
-         "--config.train.log_every_steps=1", "--config.eval.batch_size=8",
-         "--config.train.precision=float32"],
+        small_models_main("--config=configs/imagenet_resnet50.py", f"--workdir={tmp_path}",
+                          f"--config.data.dir={imagenet_folder}", "--config.data.image_size=64",
+                          "--config.data.workers=2", "--config.train.batch_size=8",
+                          "--config.train.num_steps=3", "--config.train.log_every_steps=1",
+                          "--config.eval.batch_size=8", "--config.train.precision=float32"),
         cwd=REPO, env=quick_compile.env(0), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data on the host, streamed" in result.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import require_module, small_models_main
 
 from jaxtrain.config.defaults import get_config, param_group
 from jaxtrain.training import checkpoint, prepare, step
@@ -185,31 +185,15 @@ def run_main(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-# main.py as the README runs it, in a process whose deep built-in models are cut to their
-# smallest form: the ResNets one block a stage, the ViTs two blocks. The same layers, names
-# and code paths (a stage's first block is the one with the stride and the projection)
-# at a fraction of the compile time; the weights files these runs start from are cut alike.
-SMALL_MODELS_MAIN = """
-import runpy, sys
-from jaxtrain.models import resnet, vit
-for name, (stages, block) in list(resnet.RESNETS.items()):
-    resnet.RESNETS[name] = ((1, 1, 1, 1), block)
-for name, (dim, depth, heads) in list(vit.VITS.items()):
-    vit.VITS[name] = (dim, 2, heads)
-sys.argv = ["main.py", *sys.argv[1:]]
-runpy.run_path("main.py", run_name="__main__")
-"""
-
-
 def run_main_small(*args):
-    """run_main with the deep models cut to their smallest form (SMALL_MODELS_MAIN)."""
-    return subprocess.run([sys.executable, "-c", SMALL_MODELS_MAIN, *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    """run_main with the deep models cut to their smallest form (conftest.small_models_main)."""
+    return subprocess.run(small_models_main(*args), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
 
 
 def small_torchvision_resnet(name):
     """torchvision's ResNet `name` (random init, ImageNet's 1000 classes) with one block a
-    stage, as SMALL_MODELS_MAIN cuts jaxtrain's."""
+    stage, as conftest.small_models_main cuts jaxtrain's."""
     from torchvision.models import resnet
     block = resnet.Bottleneck if name == "resnet50" else resnet.BasicBlock
     return resnet.ResNet(block, [1, 1, 1, 1])

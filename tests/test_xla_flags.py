@@ -27,8 +27,9 @@ GPU_FLAGS = "--xla_gpu_autotune_level=2 --xla_gpu_enable_triton_gemm=false " \
 
 
 def dump_flags(folder) -> str:
-    """XLA_FLAGS that dump only a tiny module's debug options into `folder`."""
-    return f"--xla_dump_to={folder} --xla_dump_hlo_module_re=convert_element_type"
+    """XLA_FLAGS that dump only a tiny module's debug options into `folder` (the random
+    seed's, which every run compiles)."""
+    return f"--xla_dump_to={folder} --xla_dump_hlo_module_re=threefry_seed"
 
 
 def debug_options(folder) -> str:
