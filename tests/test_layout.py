@@ -4,6 +4,8 @@ the map only while these hold.
 - data/ never imports JAX, Flax or optax: a Grain worker that reads data stays light.
 - No import circles between jaxtrain's modules (imports inside functions count too).
 - models/ and training/ never import run/, callbacks/, perf/, baselines/ or a command.
+- Below run/ (models/, training/, weights/, runtime/, data/) nothing imports ml_collections:
+  the config is read where a run starts; below, functions take its blocks or values.
 - Every module lives in its folder: the top level holds only the commands and their
   shared parts, and no old flat module path is left behind.
 
@@ -20,6 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxtrain"
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 LOWER = ("models", "training")  # the parts a run is built from
+BELOW_RUN = ("models", "training", "weights", "runtime", "data")  # where the config is not read
 UPPER = ("run", "callbacks", "perf", "baselines")  # what uses them
 COMMANDS = ("bench", "compare", "predict", "export", "cli", "__main__")
 TOP_LEVEL = {"__init__", "__main__", "errors", "cli", *COMMANDS}
@@ -125,6 +128,9 @@ def broken_rules(root: Path) -> list[str]:
                                                 and target.count(".") == 1)):
                 problems.append(f"{name} imports {target}: {where}/ never imports run/, "
                                 "callbacks/, perf/, baselines/ or a command")
+            if where in BELOW_RUN and target == "outside:ml_collections":
+                problems.append(f"{name} imports ml_collections: below run/, code takes config "
+                                "blocks or values, not the config")
     for group in circles(graph):
         problems.append("import circle: " + " -> ".join(group))
     for path in sorted(root.glob("*.py")):
@@ -188,6 +194,10 @@ def test_a_tree_that_keeps_the_rules_passes(tmp_path):
      "jaxtrain.training.step imports jaxtrain.run.loop: training/ never imports run/"),
     ({"models/__init__.py": "", "models/cnn.py": "from jaxtrain import bench\n"},
      "jaxtrain.models.cnn imports jaxtrain.bench: models/ never imports run/"),
+    ({"training/step.py": "import ml_collections\n"},
+     "jaxtrain.training.step imports ml_collections: below run/"),
+    ({"runtime/__init__.py": "", "runtime/mesh.py": "def f():\n    from ml_collections import "
+      "ConfigDict\n"}, "jaxtrain.runtime.mesh imports ml_collections: below run/"),
     ({"run/loop.py": "from jaxtrain.perf import benchmark\n"},
      "import circle: jaxtrain.perf.benchmark -> jaxtrain.run.loop"),
     ({"training/step.py": "def f():\n    from . import optim\n",

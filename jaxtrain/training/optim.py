@@ -11,7 +11,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from optax.contrib import MuonDimensionNumbers
 
@@ -63,7 +62,7 @@ def param_path(path) -> str:
                     for k in path)
 
 
-def group_settings(opt, name: str) -> ml_collections.ConfigDict:
+def group_settings(opt, name: str):
     """The top-level optimizer settings with group `name`'s overrides applied."""
     group = opt.groups[name]
     allowed = set(opt.keys()) - set(SHARED_KEYS) | set(GROUP_ONLY_KEYS)
@@ -75,10 +74,12 @@ def group_settings(opt, name: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"config.optimizer.groups.{name}: needs `params`, a regular expression "
                           "for the '/'-joined parameter paths (optimizer.groups uses "
                           "configs.default.param_group)")
-    settings = {k: v for k, v in opt.items() if k not in ("groups",)}
-    settings.update({"lr_scale": 1.0, "train_steps": 0, "freeze": False})
-    settings.update(group.to_dict() if hasattr(group, "to_dict") else dict(group))
-    return ml_collections.ConfigDict(settings)
+    settings = opt.copy_and_resolve_references()  # a copy of the block: opt stays as it is
+    with settings.unlocked(), settings.ignore_type():
+        del settings["groups"]
+        settings.update({"lr_scale": 1.0, "train_steps": 0, "freeze": False})
+        settings.update(group.to_dict() if hasattr(group, "to_dict") else dict(group))
+    return settings
 
 
 def path_labeler(opt, frozen: tuple = ()):

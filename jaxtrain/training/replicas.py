@@ -17,7 +17,6 @@ import math
 from typing import NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -65,10 +64,10 @@ def runs(config) -> list[Run] | None:
             for index in range(len(points) * copies)]
 
 
-def run_config(config, run: Run) -> ml_collections.ConfigDict:
+def run_config(config, run: Run):
     """The single-run config that replica `run` trains like: its seed and settings, no
-    replicas, no sweep."""
-    single = ml_collections.ConfigDict(config.to_dict())
+    replicas, no sweep (a copy; `config` stays as it is)."""
+    single = config.copy_and_resolve_references()
     single.seed = run.seed
     single.train.replicas = 1
     for key, value in run.settings.items():
@@ -100,11 +99,12 @@ def create_optimizer(config, total_steps: int, frozen: tuple = ()):
     def build(learning_rate=None, weight_decay=None, momentum=None, b1=None, b2=None,
               label_smoothing=None):
         del label_smoothing  # step.train_step's
-        settings = ml_collections.ConfigDict(opt.to_dict(), type_safe=False)
-        for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
-                            ("momentum", momentum), ("b1", b1), ("b2", b2)):
-            if value is not None:
-                settings[name] = value
+        settings = opt.copy_and_resolve_references()
+        with settings.ignore_type():  # the swept values are traced arrays here
+            for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
+                                ("momentum", momentum), ("b1", b1), ("b2", b2)):
+                if value is not None:
+                    settings[name] = value
         return optim.create_optimizer(settings, optim.create_schedule(settings, total_steps),
                                       frozen)
     defaults = {key.split(".")[1]: float(config[key.split(".")[0]][key.split(".")[1]])
