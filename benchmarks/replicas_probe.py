@@ -42,13 +42,13 @@ def probe(module, steps: int, replicas: int, data_dir: str) -> dict:
         config.data.dir, config.data.source = data_dir, "files"
     run = prepare.setup(config)
     kind = chunks.resolve_loop("auto", models.xla_convolutions(config.model))
-    step_kwargs = prepare.step_arguments(config, run)
+    spec = prepare.step_spec(config, run)
     x_train, y_train = placement.put_train_data(run)
     together = jax.tree.map(lambda leaf: jnp.stack([leaf] * replicas), run.state)
     keys = jnp.stack([run.data_key] * replicas)
     single = chunks.compile_chunks(kind, run.state, x_train, y_train, run.data_key, {steps},
-                                   step_kwargs)
-    many = chunks.compile_chunks(kind, together, x_train, y_train, keys, {steps}, step_kwargs,
+                                   spec)
+    many = chunks.compile_chunks(kind, together, x_train, y_train, keys, {steps}, spec,
                                  replicas=True)
     one = best_seconds(single, run.state, run.data_key, steps)
     vmapped = best_seconds(many, together, keys, steps)

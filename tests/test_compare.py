@@ -213,9 +213,8 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     flax_model = models.create_model(config.model, 10, jnp.float32)
     tx = optim.create_optimizer(config.optimizer, optim.create_schedule(config.optimizer, 10))
     state = train_state.create_train_state(jax.random.key(0), flax_model, tx, shape)
-    step = jax.jit(functools.partial(
-        step_lib.train_step, mean=mean, std=std, augment_kwargs={}, num_classes=10,
-        label_smoothing=config.train.label_smoothing))
+    step = jax.jit(functools.partial(step_lib.train_step, spec=step_lib.StepSpec(
+        mean=mean, std=std, num_classes=10, label_smoothing=config.train.label_smoothing)))
     new_state, metrics = step(state, images, labels, jax.random.key(1))
 
     # the comparison's torch step, from the same weights

@@ -118,8 +118,8 @@ def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
     rng = np.random.default_rng(4)
     x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
     y = rng.integers(0, 10, 64).astype(np.int32)
-    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
-                       label_smoothing=0.1, augment_kwargs=dict(flip=False, translate=0))
+    spec = step_lib.StepSpec(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                             label_smoothing=0.1, augment=dict(flip=False, translate=0))
     initial = train_state.create_train_state(jax.random.split(jax.random.key(0), 2), model, tx,
                                              (8, 8, 3), replicas=True)
     keys = jax.random.split(jax.random.key(1), 2)
@@ -132,9 +132,9 @@ def test_a_finished_group_held_constant_ends_where_its_masked_rate_does():
 
         def compile_phase(constant, lengths):
             if constant not in compiled:
-                kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
-                compiled[constant] = chunks.compile_chunks(kind, initial, x, y, keys, lengths,
-                                                           kwargs, replicas=True)
+                compiled[constant] = chunks.compile_chunks(
+                    kind, initial, x, y, keys, lengths, spec.replace(constant_params=constant),
+                    replicas=True)
             return compiled[constant]
 
         weights = {}

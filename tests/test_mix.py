@@ -142,11 +142,9 @@ def step_results(**mix):
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (B, H, W, C), dtype=np.uint8)
     labels = rng.integers(0, K, B).astype(np.int32)
-    kwargs = dict(mean=(0.5,), std=(0.25,), num_classes=K, label_smoothing=0.1,
-                  augment_kwargs=dict(flip=True, translate=1))
-    if mix:
-        kwargs["mix_kwargs"] = mix
-    step = jax.jit(functools.partial(step_lib.train_step, **kwargs))
+    spec = step_lib.StepSpec(mean=(0.5,), std=(0.25,), num_classes=K, label_smoothing=0.1,
+                             augment=dict(flip=True, translate=1), mix=mix)
+    step = jax.jit(functools.partial(step_lib.train_step, spec=spec))
     metrics = []
     for seed in (1, 2):
         state, step_metrics = step(state, images, labels, jax.random.key(seed))

@@ -510,8 +510,8 @@ def steps_on_one_batch(model, tx, images, labels, mean, std, steps=3):
     variables = random_variables(model, (1, *images.shape[1:]))
     state = jax.jit(lambda v: train_state.TrainState.create(  # one program, not one per leaf
         apply_fn=model.apply, params=v["params"], tx=tx, batch_stats=v["batch_stats"]))(variables)
-    step = jax.jit(functools.partial(step_lib.train_step, mean=mean, std=std, augment_kwargs={},
-                                     num_classes=10, label_smoothing=0.0))
+    step = jax.jit(functools.partial(step_lib.train_step, spec=step_lib.StepSpec(
+        mean=mean, std=std, num_classes=10, label_smoothing=0.0)))
     losses = []
     for i in range(steps):
         state, metrics = step(state, images, labels, jax.random.key(i))

@@ -107,7 +107,7 @@ def train_twenty_steps(config, run, state):
     the chunk): two epochs of 10 steps from `state`."""
     x_train, y_train = placement.put_train_data(run)
     run_chunk = chunks.compile_chunks("scan", state, x_train, y_train, run.data_key, {10},
-                                      prepare.step_arguments(config, run))
+                                      prepare.step_spec(config, run))
     kernels = sum(hlo.kernel_counts(run_chunk.programs[0].as_text()).values())
     middle, _ = run_chunk(state, run.data_key, 0, 0, 10)
     kept = jax.tree.map(jnp.copy, middle)  # the chunk donates its input

@@ -263,10 +263,10 @@ def host_copy(tree):
 
 # ---------------------------------------------------------------- the epoch driver
 
-def recording_step(state, images, labels, key, mirror=None, *, augment_kwargs, **_):
+def recording_step(state, images, labels, key, mirror=None, *, spec):
     """Stands in for step.train_step: the 'state' records the augmented image that each
     example (its label is its index) was trained on."""
-    seen = augment.augment_batch(images, key, mirror=mirror, **augment_kwargs)
+    seen = augment.augment_batch(images, key, mirror=mirror, **dict(spec.augment))
     return state.at[labels].set(seen), {"loss": jnp.zeros(()), "accuracy": jnp.zeros(())}
 
 
@@ -280,12 +280,12 @@ def record_epoch(loop, augment_kwargs, epochs, n=12, batch=3):
     """{epoch: the images each example was trained on}, by the loop's compiled chunks,
     one chunk per epoch and two; checks both give the same."""
     x, y = distinct_images(n)
-    step_kwargs = dict(batch_size=batch, mean=(0.0,), std=(1.0,), augment_kwargs=augment_kwargs,
-                       num_classes=n, label_smoothing=0.0)
+    spec = step_lib.StepSpec(batch_size=batch, mean=(0.0,), std=(1.0,), augment=augment_kwargs,
+                             num_classes=n, label_smoothing=0.0)
     key = jax.random.key(11)
     steps = n // batch
     run_chunk = chunks_lib.compile_chunks(loop, jnp.zeros_like(x), x, y, key, {steps, steps // 2},
-                                          step_kwargs)
+                                          spec)
     seen = {}
     for epoch in epochs:
         whole, _ = run_chunk(jnp.zeros_like(x), key, epoch, 0, steps)
@@ -342,14 +342,14 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
     y = rng.integers(0, 10, 64).astype(np.int32)
-    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
-                       label_smoothing=0.1, augment_kwargs=dict(
+    spec = step_lib.StepSpec(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment=dict(
                            flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
     key = jax.random.key(2)
     initial = train_state.create_train_state(jax.random.key(0), model, tx, (8, 8, 3))
     results = {}
     for kind in ("scan", "python"):
-        run_chunk = chunks_lib.compile_chunks(kind, initial, x, y, key, {2, 4}, step_kwargs)
+        run_chunk = chunks_lib.compile_chunks(kind, initial, x, y, key, {2, 4}, spec)
         for chunks in ((4,), (2, 2)):
             state = jax.tree.map(jnp.copy, initial)  # the chunks donate their input state
             for epoch in range(2):
@@ -375,15 +375,15 @@ def test_a_paced_chunk_runs_in_calls_of_its_seconds_and_stops_between_them():
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
     y = rng.integers(0, 10, 64).astype(np.int32)
-    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
-                       label_smoothing=0.1, augment_kwargs=dict(flip=True, translate=1,
+    spec = step_lib.StepSpec(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment=dict(flip=True, translate=1,
                                                                 pad_mode="reflect"))
     key = jax.random.key(2)
     initial = train_state.create_train_state(jax.random.key(0), model,
                                              optax.sgd(0.05, momentum=0.9), (8, 8, 3))
-    whole = chunks_lib.compile_chunks("scan", initial, x, y, key, {4}, step_kwargs)
+    whole = chunks_lib.compile_chunks("scan", initial, x, y, key, {4}, spec)
     pace = chunks_lib.Pace(1e-9)  # every call one step
-    paced = chunks_lib.compile_chunks("scan", initial, x, y, key, {4}, step_kwargs, pace=pace,
+    paced = chunks_lib.compile_chunks("scan", initial, x, y, key, {4}, spec, pace=pace,
                                       paced=True)
     assert len(paced.programs) == 1 and len(whole.programs) == 1
     expected, expected_out = whole(jax.tree.map(jnp.copy, initial), key, 1, 0, 4)
@@ -417,8 +417,8 @@ def test_replicas_trained_together_equal_their_single_runs(name):
     rng = np.random.default_rng(3)
     x = rng.integers(0, 256, (64, *shape), dtype=np.uint8)
     y = rng.integers(0, 10, 64).astype(np.int32)
-    step_kwargs = dict(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
-                       label_smoothing=0.1, augment_kwargs=dict(
+    spec = step_lib.StepSpec(batch_size=16, mean=(0.5,), std=(0.25,), num_classes=10,
+                       label_smoothing=0.1, augment=dict(
                            flip=True, alternate_flip=True, translate=1, pad_mode="reflect"))
     seeds = (0, 1, 2)
     singles = [made_up_state(model, tx, shape, s) for s in seeds]
@@ -435,13 +435,13 @@ def test_replicas_trained_together_equal_their_single_runs(name):
 
     single_runs = {}  # each loop's single program, compiled once, trains the three alone
     for kind in ("scan", "python"):
-        run_single = chunks_lib.compile_chunks(kind, singles[0], x, y, keys[0], {2}, step_kwargs)
+        run_single = chunks_lib.compile_chunks(kind, singles[0], x, y, keys[0], {2}, spec)
         single_runs[kind] = [train_two_epochs(run_single, host_copy(s), k)
                              for s, k in zip(singles, keys)]
     for kind, paced in (("scan", False), ("scan", True), ("python", False)):
         pace = chunks_lib.Pace(60.0) if paced else None
         alone = single_runs[kind]
-        run_chunk = chunks_lib.compile_chunks(kind, together, x, y, stacked_keys, {2}, step_kwargs,
+        run_chunk = chunks_lib.compile_chunks(kind, together, x, y, stacked_keys, {2}, spec,
                                               replicas=True, pace=pace, paced=paced)
         state, summary = train_two_epochs(run_chunk, host_copy(together), stacked_keys)
         losses = summary["per_step"]["loss"]
@@ -468,11 +468,11 @@ def test_a_skipped_step_uses_up_its_slot_of_the_schedule():
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (8, 4, 4, 1), dtype=np.uint8)
     labels = rng.integers(0, 10, 8).astype(np.int32)
-    kwargs = dict(mean=(0.5,), std=(0.25,), augment_kwargs={}, num_classes=10,
-                  label_smoothing=0.0, skip_nonfinite=True)
-    step = jax.jit(functools.partial(step_lib.train_step, **kwargs))
+    spec = step_lib.StepSpec(mean=(0.5,), std=(0.25,), num_classes=10, label_smoothing=0.0,
+                             skip_nonfinite=True)
+    step = jax.jit(functools.partial(step_lib.train_step, spec=spec))
     state, _ = step(state, images, labels, jax.random.key(1))
-    bad = jax.jit(functools.partial(step_lib.train_step, **dict(kwargs, std=(0.0,))))  # x / 0
+    bad = jax.jit(functools.partial(step_lib.train_step, spec=spec.replace(std=(0.0,))))  # x / 0
     skipped, metrics = bad(state, images, labels, jax.random.key(2))
     assert not np.isfinite(metrics["loss"])
     assert int(skipped.step) == 2

@@ -78,7 +78,7 @@ def device_resident(run, what: str):
 
 
 def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, state_sharding,
-              whiten, steps_per_epoch, total_steps, step_kwargs, eval_kwargs, cuts=None,
+              whiten, steps_per_epoch, total_steps, spec, eval_kwargs, cuts=None,
               with_weights=False):
     """One run from its seed to its test metrics: the body of the benchmark's one program.
 
@@ -97,11 +97,11 @@ def whole_run(seed, x_train, y_train, eval_arrays, *, model, tx, image_shape, st
     last_epoch = (total_steps - 1) // steps_per_epoch
     last_losses, nonfinite = [], jnp.zeros((), jnp.int32)  # the last epoch's per-step losses
     for begin, end, constant in phases(total_steps, cuts or {}):
-        kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
+        phase_spec = spec.replace(constant_params=constant) if constant else spec
 
-        def chunk(state, epoch, first_step=0, num_steps=steps_per_epoch, kwargs=kwargs):
+        def chunk(state, epoch, first_step=0, num_steps=steps_per_epoch, phase_spec=phase_spec):
             return chunks.train_epoch_chunk(state, x_train, y_train, data_key, epoch, first_step,
-                                            num_steps=num_steps, **kwargs)
+                                            num_steps=num_steps, spec=phase_spec)
 
         for epoch, first_step, num_steps, epochs in pieces(begin, end, steps_per_epoch):
             if epochs:  # whole epochs, one lax.scan over them
@@ -257,7 +257,7 @@ def whole_run_fn(config, run, **kwargs):
         whiten=(model_state.whitening_fn(config, run.mean, run.std)
                 if whitening.has_whitened_stem(config.model) else None),
         steps_per_epoch=run.steps_per_epoch,
-        total_steps=run.total_steps, step_kwargs=prepare.step_arguments(config, run),
+        total_steps=run.total_steps, spec=prepare.step_spec(config, run),
         eval_kwargs=prepare.eval_arguments(config, run), cuts=cuts, **kwargs)
 
 

@@ -132,13 +132,13 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     run = benchmark.device_resident(prepare.setup(config, mesh), "--inspect")
     x_train, y_train = placement.put_train_data(run)
-    step_kwargs = prepare.step_arguments(config, run)
+    spec = prepare.step_spec(config, run)
     replicated = mesh_lib.replicated(run.mesh)
     out_sharding = (placement.state_sharding(run), replicated)
-    order = chunks.epoch_order_fn(len(x_train), step_kwargs, replicated)(run.data_key, np.int32(0))
+    order = chunks.epoch_order_fn(len(x_train), spec, replicated)(run.data_key, np.int32(0))
 
     start = time.perf_counter()
-    step_fn = jax.jit(functools.partial(step.train_step_at, **step_kwargs), donate_argnums=0,
+    step_fn = jax.jit(functools.partial(step.train_step_at, spec=spec), donate_argnums=0,
                       out_shardings=out_sharding)
     traced = step_fn.trace(run.state, np.int32(0), x_train, y_train, *order)
     lowered = traced.lower()
@@ -155,7 +155,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     loop = chunks.resolve_loop(config.train.loop, run.xla_convolutions)
     steps = max(1, min(steps, run.steps_per_epoch))
     run_chunk = chunks.compile_chunks(loop, run.state, x_train, y_train, run.data_key,
-                                      {steps}, step_kwargs, out_sharding)
+                                      {steps}, spec, out_sharding)
     state = jax.tree.map(jnp.copy, run.state)  # the step donates its input
     state, _ = jax.block_until_ready(run_chunk(state, run.data_key, 0, 0, steps))  # warm-up
     timings = []

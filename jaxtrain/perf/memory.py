@@ -93,9 +93,8 @@ def compile_step(config, run=None):
                                   sharding=batch_sharding)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
-    step_kwargs = prepare.step_arguments(config, run)
-    step_kwargs.pop("batch_size"), step_kwargs.pop("batch_sharding")
-    step = jax.jit(functools.partial(step_lib.train_step, **step_kwargs), donate_argnums=0,
+    spec = prepare.step_spec(config, run)  # (its batch_size and batch_sharding: unused here)
+    step = jax.jit(functools.partial(step_lib.train_step, spec=spec), donate_argnums=0,
                    out_shardings=(state_sharding, replicated))
     return step.lower(state, images, labels, key).compile(), run
 

@@ -194,16 +194,16 @@ def compile_training(config, run: prepare.Setup, state, data_key, plan, stream, 
     `pace`, `paced`: scanned chunks cut by time (chunks.ScannedChunks)."""
     if not plan:
         return None
-    step_kwargs, replicated = prepare.step_arguments(config, run), mesh_lib.replicated(run.mesh)
+    spec, replicated = prepare.step_spec(config, run), mesh_lib.replicated(run.mesh)
     out_sharding = (placement.state_sharding(run), replicated)  # (the state's, the metrics')
     kind = chunks.resolve_loop(config.train.loop, run.xla_convolutions)
 
     def compile_phase(constant, lengths):
-        kwargs = dict(step_kwargs, constant_params=constant) if constant else step_kwargs
+        phase_spec = spec.replace(constant_params=constant) if constant else spec
         if stream is not None:
             return chunks.compile_stream_chunks(state, stream, data_key,
-                                                len(run.dataset.x_train), kwargs, out_sharding)
-        return chunks.compile_chunks(kind, state, *train_arrays, data_key, lengths, kwargs,
+                                                len(run.dataset.x_train), phase_spec, out_sharding)
+        return chunks.compile_chunks(kind, state, *train_arrays, data_key, lengths, phase_spec,
                                      out_sharding, replicas=bool(run.runs), pace=pace,
                                      paced=paced)
     return chunks.phased_chunks(plan, run.steps_per_epoch, cuts or {}, compile_phase)

@@ -25,7 +25,7 @@ def summarize_chunk(steps, metrics):
 
 
 def train_epoch_chunk(state, x_train, y_train, data_key, epoch, first_step, *, num_steps,
-                      **step_kwargs):
+                      spec: step_lib.StepSpec):
     """Steps first_step .. first_step + num_steps - 1 of `epoch`, as one lax.scan.
 
     The one epoch driver (training and the benchmark): the epoch's order, key and
@@ -33,31 +33,31 @@ def train_epoch_chunk(state, x_train, y_train, data_key, epoch, first_step, *, n
     sees exactly the steps of the uninterrupted run.
     """
     order, augment_key, flips = step_lib.epoch_order(
-        data_key, epoch, x_train.shape[0], step_lib.alternates_flip(step_kwargs["augment_kwargs"]))
+        data_key, epoch, x_train.shape[0], step_lib.alternates_flip(spec))
     steps = first_step + jnp.arange(num_steps, dtype=jnp.int32)
 
     def body(state, step):
         return step_lib.train_step_at(state, step, x_train, y_train, order, augment_key, flips,
-                                      **step_kwargs)
+                                      spec=spec)
 
     state, metrics = jax.lax.scan(body, state, steps)
     return state, summarize_chunk(steps, metrics)
 
 
 def train_steps_chunk(state, x_train, y_train, data_key, epoch, first_step, num_steps, *,
-                      max_steps, **step_kwargs):
+                      max_steps, spec: step_lib.StepSpec):
     """Steps first_step .. first_step + num_steps - 1 of `epoch`, where num_steps is an
     argument (up to max_steps), not a shape: one while loop that runs any length of
     chunk, so chunks can be cut by time (Pace) with no program compiled per length.
     The same steps as train_epoch_chunk; the per-step metrics come padded to max_steps
     (the host keeps the first num_steps)."""
     order, augment_key, flips = step_lib.epoch_order(
-        data_key, epoch, x_train.shape[0], step_lib.alternates_flip(step_kwargs["augment_kwargs"]))
+        data_key, epoch, x_train.shape[0], step_lib.alternates_flip(spec))
 
     def body(i, carry):
         state, per_step = carry
         state, metrics = step_lib.train_step_at(state, first_step + i, x_train, y_train, order,
-                                                augment_key, flips, **step_kwargs)
+                                                augment_key, flips, spec=spec)
         return state, {name: values.at[i].set(metrics[name].astype(values.dtype))
                        for name, values in per_step.items()}
 
@@ -82,12 +82,12 @@ def resolve_loop(loop: str, xla_convolutions: bool) -> str:
     return loop
 
 
-def epoch_order_fn(num_examples: int, step_kwargs: dict, out_sharding=None,
+def epoch_order_fn(num_examples: int, spec: step_lib.StepSpec, out_sharding=None,
                    replicas: bool = False):
     """epoch_order for a training split of num_examples images and this run's
     augmentation, jitted (the Python loop calls it once per epoch); with `replicas`,
     one order per key of a leading axis of keys."""
-    alternate_flip = step_lib.alternates_flip(step_kwargs["augment_kwargs"])
+    alternate_flip = step_lib.alternates_flip(spec)
     order = functools.partial(step_lib.epoch_order, num_examples=num_examples,
                               alternate_flip=alternate_flip)
     return jax.jit(jax.vmap(order, in_axes=(0, None)) if replicas else order,
@@ -125,19 +125,19 @@ class ScannedChunks:
     the second kind (the CPU, where a chunk of an epoch takes long); else the run
     switches to it when a chunk has taken longer than the pace (`pace_from_now`)."""
 
-    def __init__(self, state, x_train, y_train, data_key, lengths, step_kwargs,
+    def __init__(self, state, x_train, y_train, data_key, lengths, spec,
                  out_sharding=None, replicas: bool = False, pace: Pace | None = None,
                  paced: bool = False):
         self.x_train, self.y_train, self.pace = x_train, y_train, pace
         self.batched = (lambda fn, axes: jax.vmap(fn, in_axes=axes)) if replicas \
             else (lambda fn, _: fn)
-        self.step_kwargs, self.out_sharding = step_kwargs, out_sharding
+        self.spec, self.out_sharding = spec, out_sharding
         self.max_steps, self.static, self.paced = max(lengths), {}, None
         if paced and pace is not None:
             self.pace_from_now(state, data_key)
         else:
             for length in sorted(lengths):
-                chunk = functools.partial(train_epoch_chunk, num_steps=length, **step_kwargs)
+                chunk = functools.partial(train_epoch_chunk, num_steps=length, spec=spec)
                 fn = jax.jit(self.batched(chunk, (0, None, None, 0, None, None)),
                              donate_argnums=0, out_shardings=out_sharding)
                 self.static[length] = fn.lower(state, x_train, y_train, data_key, np.int32(0),
@@ -153,7 +153,7 @@ class ScannedChunks:
         runs in calls of about the pace's seconds."""
         if self.paced is not None:
             return
-        chunk = functools.partial(train_steps_chunk, max_steps=self.max_steps, **self.step_kwargs)
+        chunk = functools.partial(train_steps_chunk, max_steps=self.max_steps, spec=self.spec)
         fn = jax.jit(self.batched(chunk, (0, None, None, 0, None, None, None)),
                      donate_argnums=0, out_shardings=self.out_sharding)
         self.paced = fn.lower(state, self.x_train, self.y_train, data_key, np.int32(0),
@@ -187,7 +187,7 @@ class ScannedChunks:
                                     for name in parts[0]}}
 
 
-def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs,
+def compile_chunks(loop, state, x_train, y_train, data_key, lengths, spec,
                    out_sharding=None, replicas: bool = False, pace: Pace | None = None,
                    paced: bool = False):
     """Ahead-of-time compiles the training steps; returns
@@ -205,18 +205,18 @@ def compile_chunks(loop, state, x_train, y_train, data_key, lengths, step_kwargs
     that axis too (replica first).
     """
     if loop == "scan":
-        return ScannedChunks(state, x_train, y_train, data_key, lengths, step_kwargs,
+        return ScannedChunks(state, x_train, y_train, data_key, lengths, spec,
                              out_sharding, replicas, pace, paced)
     batched = (lambda fn, axes: jax.vmap(fn, in_axes=axes)) if replicas else (lambda fn, _: fn)
     # the epoch's order: laid out as the metrics are (replicated), or for replicas as
     # their state's leading axis
     order_sharding = out_sharding[int(not replicas)] if isinstance(out_sharding, tuple) \
         else out_sharding
-    order_fn = epoch_order_fn(x_train.shape[0], step_kwargs, order_sharding, replicas)
+    order_fn = epoch_order_fn(x_train.shape[0], spec, order_sharding, replicas)
     order_fn = order_fn.lower(data_key, np.int32(0)).compile()
     first_order = order_fn(data_key, np.int32(0))
     order_axes = (0, 0, None if first_order[2] is None else 0)  # (order, augment key, flips)
-    step_fn = jax.jit(batched(functools.partial(step_lib.train_step_at, **step_kwargs),
+    step_fn = jax.jit(batched(functools.partial(step_lib.train_step_at, spec=spec),
                               (0, None, None, None, *order_axes)),
                       donate_argnums=0, out_shardings=out_sharding)
     step_fn = step_fn.lower(state, np.int32(0), x_train, y_train, *first_order).compile()
@@ -253,14 +253,14 @@ def step_by_step(take_step, state, first_step: int, num_steps: int, progress=Non
                                 for name in METRICS}}
 
 
-def compile_stream_chunks(state, stream, data_key, num_examples: int, step_kwargs,
+def compile_stream_chunks(state, stream, data_key, num_examples: int, spec,
                           out_sharding=None):
     """compile_chunks for streamed data: one compiled train_step_streamed per step, fed by
     `stream` (batches.Stream). Its batches are put on the devices ahead of time, and
     each step is dispatched without waiting for the one before, so reading the next
     batch overlaps the running step. Same run_chunk signature as compile_chunks."""
     step_fn = jax.jit(functools.partial(step_lib.train_step_streamed, num_examples=num_examples,
-                                        **step_kwargs),
+                                        spec=spec),
                       donate_argnums=0, out_shardings=out_sharding)
     step_fn = step_fn.lower(state, *stream.batch_spec(), data_key, np.int32(0),
                             np.int32(0)).compile()

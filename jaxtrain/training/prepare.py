@@ -10,6 +10,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.training import (augment, batches, evaluation, inputs, model_state, optim,
                                placement as placement_lib, replicas, train_state)
+from jaxtrain.training import step as step_lib
 from jaxtrain.weights import readers
 
 
@@ -102,21 +103,18 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
                  models.xla_convolutions(config.model.name, conv_impl))
 
 
-def step_arguments(config, run: Setup) -> dict:
-    """The static keyword arguments of step.train_step_at (and chunks.train_epoch_chunk)
-    for this run."""
+def step_spec(config, run: Setup) -> step_lib.StepSpec:
+    """What this run's training step computes (step.StepSpec), read from its config."""
     batch_sharding = (None if placement_lib.splits_replicas(run)
                       else mesh_lib.batch_sharded(run.mesh))
-    return dict(batch_size=config.train.batch_size,
-                batch_sharding=batch_sharding, mean=run.mean, std=run.std,
-                augment_kwargs=augment.device_kwargs(config.augment),
-                mix_kwargs=augment.mix_kwargs(config.augment),
-                num_classes=run.dataset.num_classes,
-                label_smoothing=config.train.label_smoothing,
-                skip_nonfinite=config.train.nonfinite == "skip",
-                ema_decay=config.train.get("ema_decay"),
-                freeze_batch_stats=bool(config.model.get("freeze_batch_stats", False)),
-                accumulate_steps=config.train.get("accumulate_steps", 1))
+    return step_lib.StepSpec(
+        mean=run.mean, std=run.std, num_classes=run.dataset.num_classes,
+        batch_size=config.train.batch_size, batch_sharding=batch_sharding,
+        augment=augment.device_kwargs(config.augment), mix=augment.mix_kwargs(config.augment),
+        label_smoothing=config.train.label_smoothing,
+        skip_nonfinite=config.train.nonfinite == "skip", ema_decay=config.train.get("ema_decay"),
+        freeze_batch_stats=bool(config.model.get("freeze_batch_stats", False)),
+        accumulate_steps=config.train.get("accumulate_steps", 1))
 
 
 def eval_arguments(config, run: Setup) -> dict:

@@ -3,11 +3,48 @@
 Also what a step needs around it: gradient accumulation over micro-batches, parameter
 groups held constant once their training ends, and the data order of an epoch, which
 derives from (seed, epoch) alone so that a resumed run takes the same steps."""
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxtrain.training import augment, batches, optim, train_state
+
+
+def _frozen(values) -> tuple:
+    """A mapping as sorted (name, value) pairs: hashable, so a StepSpec is a static argument."""
+    return tuple(sorted(dict(values or {}).items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a training step computes, read from the config once where a run starts
+    (prepare.step_spec): a static argument of every compiled step, chunk and benchmark.
+    `augment` and `mix` may be given as mappings; they are kept as sorted pairs."""
+    mean: tuple  # per-channel normalisation of pixel values in [0, 1]
+    std: tuple
+    num_classes: int
+    batch_size: int = 0  # train_step_at's gather (a streamed batch arrives whole)
+    batch_sharding: Any = None  # how a gathered batch is split over the devices; None: not
+    augment: tuple = ()  # augment.augment_batch's arguments (augment.device_kwargs)
+    mix: tuple = ()  # augment.mix_batch's (augment.mix_kwargs); (): no MixUp or CutMix
+    label_smoothing: float = 0.0
+    skip_nonfinite: bool = False  # a step whose loss is not finite leaves the state as it was
+    ema_decay: float | None = None  # train.ema_decay
+    freeze_batch_stats: bool = False  # model.freeze_batch_stats
+    accumulate_steps: int = 1
+    constant_params: frozenset = frozenset()  # '/'-joined paths with no gradient computed
+
+    def __post_init__(self):
+        object.__setattr__(self, "augment", _frozen(self.augment))
+        object.__setattr__(self, "mix", _frozen(self.mix))
+        object.__setattr__(self, "mean", tuple(self.mean))
+        object.__setattr__(self, "std", tuple(self.std))
+
+    def replace(self, **changes) -> "StepSpec":
+        return dataclasses.replace(self, **changes)
 
 
 def normalize(images, mean, std):
@@ -16,14 +53,12 @@ def normalize(images, mean, std):
     return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
-def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kwargs,
-               num_classes, label_smoothing, skip_nonfinite=False, ema_decay=None,
-               mix_kwargs=None, freeze_batch_stats=False, accumulate_steps=1,
-               constant_params=frozenset()):
-    """One SGD step on a uint8 batch: augment, normalise, forward, backward, update.
+def train_step(state, images, labels, key, mirror=None, *, spec: StepSpec):
+    """One SGD step on a uint8 batch: augment, normalise, forward, backward, update, as
+    `spec` says.
 
     `mirror`: the batch's alternating-flip bits (augment.alternate_flip), else None.
-    `mix_kwargs` (augment.mix_kwargs): MixUp/CutMix of the normalised batch and its
+    `spec.mix` (augment.mix_kwargs): MixUp/CutMix of the normalised batch and its
     smoothed targets, keyed by fold_in(key, augment.MIX_STREAM), so the augmentation and
     dropout keys stay those of a run that does not mix. Accuracy counts the true labels.
     With skip_nonfinite, a step whose loss is not finite leaves the state as it was.
@@ -38,27 +73,29 @@ def train_step(state, images, labels, key, mirror=None, *, mean, std, augment_kw
     (hold_constant); the optimiser still steps them, with a zero gradient.
     """
     augment_key, dropout_key = jax.random.split(key)
-    images = augment.augment_batch(images, augment_key, mirror=mirror, **augment_kwargs)
-    inputs = normalize(images, mean, std)
-    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes),
-                                  train_state.hyperparam(state, "label_smoothing", label_smoothing))
-    if mix_kwargs:
+    images = augment.augment_batch(images, augment_key, mirror=mirror, **dict(spec.augment))
+    inputs = normalize(images, spec.mean, spec.std)
+    targets = optax.smooth_labels(
+        jax.nn.one_hot(labels, spec.num_classes),
+        train_state.hyperparam(state, "label_smoothing", spec.label_smoothing))
+    if spec.mix:
         inputs, targets = augment.mix_batch(
-            inputs, targets, jax.random.fold_in(key, augment.MIX_STREAM), **mix_kwargs)
-    if accumulate_steps == 1:
+            inputs, targets, jax.random.fold_in(key, augment.MIX_STREAM), **dict(spec.mix))
+    if spec.accumulate_steps == 1:
         loss, logits, batch_stats, grads = gradients(state, state.batch_stats, inputs, targets,
-                                                     dropout_key, constant_params)
+                                                     dropout_key, spec.constant_params)
     else:
         loss, logits, batch_stats, grads = accumulated_gradients(
-            state, inputs, targets, dropout_key, accumulate_steps, constant_params)
-    if freeze_batch_stats:
+            state, inputs, targets, dropout_key, spec.accumulate_steps, spec.constant_params)
+    if spec.freeze_batch_stats:
         batch_stats = state.batch_stats
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
-    if ema_decay is not None and state.ema is not None:
+    decay = spec.ema_decay
+    if decay is not None and state.ema is not None:
         new_state = new_state.replace(ema=jax.tree.map(
-            lambda average, new: ema_decay * average + (1.0 - ema_decay) * new, state.ema,
+            lambda average, new: decay * average + (1.0 - decay) * new, state.ema,
             {"params": new_state.params, "batch_stats": new_state.batch_stats}))
-    if skip_nonfinite:
+    if spec.skip_nonfinite:
         keep = jnp.isfinite(loss)
         skipped = state.replace(step=state.step + 1,
                                 opt_state=advance_schedules(state.opt_state))
@@ -173,8 +210,9 @@ def advance_schedules(opt_state):
     return opt_state
 
 
-def alternates_flip(augment_kwargs) -> bool:
-    """Whether the `augment` block asks for alternating (per-epoch, per-image) flips."""
+def alternates_flip(spec: StepSpec) -> bool:
+    """Whether the step's augmentation asks for alternating (per-epoch, per-image) flips."""
+    augment_kwargs = dict(spec.augment)
     return bool(augment_kwargs.get("flip") and augment_kwargs.get("alternate_flip"))
 
 
@@ -188,30 +226,29 @@ def epoch_order(key, epoch, num_examples: int, alternate_flip: bool = False):
 
 
 def train_step_at(state, step, x_train, y_train, order, augment_key, flips=None, *,
-                  batch_size, batch_sharding=None, **step_kwargs):
-    """Step `step` of an epoch: gathers its batch (and its flip bits) from the
-    device-resident data.
+                  spec: StepSpec):
+    """Step `step` of an epoch: gathers its batch of spec.batch_size (and its flip bits)
+    from the device-resident data.
 
-    With `batch_sharding`, each device gathers only its slice of the batch from
+    With spec.batch_sharding, each device gathers only its slice of the batch from
     its replica of the data, and XLA partitions the step over the batch.
     """
-    indices = jax.lax.dynamic_slice_in_dim(order, step * batch_size, batch_size)
-    if batch_sharding is not None:
-        indices = jax.lax.with_sharding_constraint(indices, batch_sharding)
+    indices = jax.lax.dynamic_slice_in_dim(order, step * spec.batch_size, spec.batch_size)
+    if spec.batch_sharding is not None:
+        indices = jax.lax.with_sharding_constraint(indices, spec.batch_sharding)
     mirror = None if flips is None else flips[indices]
     return train_step(state, x_train[indices], y_train[indices],
-                      jax.random.fold_in(augment_key, step), mirror, **step_kwargs)
+                      jax.random.fold_in(augment_key, step), mirror, spec=spec)
 
 
 def train_step_streamed(state, images, labels, indices, data_key, epoch, step, *,
-                        num_examples: int, batch_size=None, batch_sharding=None, **step_kwargs):
-    """Step `step` of `epoch` on a streamed batch (batches.Stream): the key and the flip
-    bits are those train_step_at derives, so both paths take the same step.
-    `indices`: the batch's training-image indices."""
-    del batch_size, batch_sharding  # the batch arrives whole and already laid out
+                        num_examples: int, spec: StepSpec):
+    """Step `step` of `epoch` on a streamed batch (batches.Stream; it arrives whole and
+    already laid out): the key and the flip bits are those train_step_at derives, so both
+    paths take the same step. `indices`: the batch's training-image indices."""
     _, augment_key = batches.epoch_keys(data_key, epoch)
     mirror = None
-    if alternates_flip(step_kwargs["augment_kwargs"]):
+    if alternates_flip(spec):
         mirror = augment.alternating_flips(data_key, epoch, num_examples)[indices]
     return train_step(state, images, labels, jax.random.fold_in(augment_key, step), mirror,
-                      **step_kwargs)
+                      spec=spec)
