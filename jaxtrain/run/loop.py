@@ -2,22 +2,22 @@
 for each planned chunk: train it, take its rows; if a signal came, save its steps and stop;
 else evaluate and save when due, write the rows, hand them to the user's callbacks, and
 stop where one asked; then the summary (summary.py). Each line of the loop is a function
-below it, in the loop's order."""
+below it, in the loop's order, or a chunk's own (chunk.py: train it, check it, its rows)."""
 import signal
 
 import jax
 import numpy as np
 
 from jaxtrain.config import checks
-from jaxtrain.errors import TrainingError
 from jaxtrain.models import user
 from jaxtrain.run import callbacks as callbacks_lib
+from jaxtrain.run import chunk as chunk_lib
 from jaxtrain.run import profiling, projection as projection_lib, resume
 from jaxtrain.run import rows as rows_lib
 from jaxtrain.run import start as start_lib
 from jaxtrain.run import summary as summary_lib
 from jaxtrain.runtime import phases, processes, signals
-from jaxtrain.training import checkpoint, chunks, evaluation, replicas, train_state
+from jaxtrain.training import checkpoint, chunks, evaluation, train_state
 
 PROFILE_DIR = profiling.PROFILE_DIR
 
@@ -75,10 +75,10 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
                 for epoch, first_step, length in [] if stopped_early else s.plan:
                     chunk = rows_lib.Chunk(epoch, first_step, length, previous=s.step)
                     profiler.before(chunk)
-                    train(s, chunk, stop, projection)
+                    chunk_lib.train(s, chunk, stop, projection)
                     profiler.after(chunk)
-                    check_finite(s, chunk)
-                    new = take_rows(s, chunk)
+                    chunk_lib.check_finite(s, chunk)
+                    new = chunk_lib.take_rows(s, chunk)
                     if processes.any_process(stop()):  # before any evaluation
                         stop_for_signal(s, users, new, stop)
                     if s.evaluates(s.step):
@@ -139,71 +139,6 @@ def evaluation_missing(s) -> bool:
     (its checkpoint saved, its rows without test metrics)."""
     return s.resumed and s.evaluates(s.step) and not any(
         row["step"] == s.step and "test_loss" in row for row in s.reporter.records)
-
-
-def train(s, chunk, stop, projection) -> None:
-    """Runs the chunk's steps. The progress bar moves after every compiled call; in a
-    single-process run a signal stops the chunk after the call in hand (train.chunk_seconds
-    keeps a scanned call that short; a call per step stops after the step)."""
-    waited = s.stream.wait_seconds if s.stream is not None else 0.0
-
-    def progress(done, metrics) -> bool:
-        s.reporter.advance(chunk.previous + done)
-        projection.during(chunk.previous, done, metrics)
-        return s.single_process and stop()
-    (s.state, out), chunk.seconds = chunks.timed(s.run_chunk, s.state, s.data_key, chunk.epoch,
-                                                 chunk.first_step, chunk.length, progress)
-    chunk.per_step = out["per_step"]
-    chunk.step = s.step = chunk.previous + np.shape(chunk.per_step["loss"])[-1]
-    chunk.wait = s.stream.wait_seconds - waited if s.stream is not None else 0.0
-    s.train_seconds += chunk.seconds
-    s.chunk_seconds += chunk.seconds
-    s.wait_seconds += chunk.wait
-    projection.after(chunk)
-    if (s.pace is not None and not s.paced and s.single_process
-            and chunk.seconds > s.pace.seconds and s.step < s.setup.total_steps):
-        pace_from_now(s, chunk)
-
-
-def pace_from_now(s, chunk) -> None:
-    """A scanned chunk ran past train.chunk_seconds (a GPU's chunks are compiled per length
-    and run whole): the program that runs any number of steps is compiled now, and every
-    later chunk runs in calls of about that long."""
-    s.clock.lap("train")
-    s.run_chunk.pace_from_now(s.state, s.data_key)
-    s.paced = True
-    s.compile_seconds += s.clock.lap(
-        "compile", f"a chunk took {chunk.seconds:.1f} s, over train.chunk_seconds="
-        f"{s.pace.seconds:g}: from step {chunk.step} on, chunks run in calls of about that "
-        "long (a signal stops the run after the one in hand); compiled in {seconds:.1f} s")
-
-
-def check_finite(s, chunk) -> None:
-    """train.nonfinite='stop': a TrainingError at the chunk's first non-finite loss,
-    naming the step (and the replica, for a replicated run)."""
-    if s.config.train.nonfinite != "stop":
-        return
-    losses = np.atleast_2d(chunk.per_step["loss"])  # (replicas, steps)
-    bad = ~np.isfinite(losses)
-    if not bad.any():
-        return
-    index = int(np.argmax(bad.any(axis=0)))
-    replica = int(np.argmax(bad[:, index]))
-    which = f" of {replicas.describe(s.setup.runs[replica])}" if s.setup.runs else ""
-    raise TrainingError(
-        f"non-finite training loss at step {chunk.previous + index + 1} (epoch {chunk.epoch})"
-        f"{which}; the last good checkpoint is kept in {s.manager.directory}. Lower "
-        "optimizer.learning_rate, check the data, or set train.nonfinite='skip' to skip "
-        "such steps")
-
-
-def take_rows(s, chunk) -> list:
-    """The chunk's steps into the row window, and the training rows that end in it."""
-    s.window.add(chunk.per_step)
-    ends = [step for step in range(chunk.previous + 1, chunk.step + 1) if s.on_grid(step)]
-    new = rows_lib.train_rows(s.window, ends, s.setup, s.schedules, s.train_seconds, chunk)
-    s.clock.lap("train")
-    return new
 
 
 def stop_for_signal(s, users, new: list, stop, phase: str | None = None) -> None:

@@ -174,7 +174,7 @@ def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start
 def paced_from_the_start() -> bool:
     """Whether scanned chunks run in calls of train.chunk_seconds from the first step: on a
     CPU, where an epoch's chunk can take minutes; elsewhere once a chunk has taken longer
-    (loop.pace_from_now). Only a single process: the others would cut elsewhere."""
+    (chunk.pace_from_now). Only a single process: the others would cut elsewhere."""
     return jax.default_backend() == "cpu" and jax.process_count() == 1
 
 
