@@ -173,6 +173,25 @@ def small_models_main(*args) -> list:
     return [sys.executable, "-c", SMALL_MODELS_MAIN, *map(str, args)]
 
 
+def free_port() -> int:
+    """A TCP port on localhost that no one listens on now (a coordinator's, a server's)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(('localhost', 0))
+        return s.getsockname()[1]
+
+
+def finish(process, timeout=300):
+    """A started subprocess.Popen's CompletedProcess, killed after `timeout` seconds."""
+    import subprocess
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def init_compiled(model, x):
     """A Flax model's variables (key 0, train=False) from one compiled init call, as training
     makes them: op by op, each op of a CNN's init compiles on its own (several times slower

@@ -4,7 +4,6 @@ a run cleanly (also a two-process one, at one step), a failing callback is one l
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 import quick_compile
-from conftest import once_per_session
+from conftest import finish, free_port, once_per_session
 from overrides import with_overrides
 
 from configs import cifar_seed_cnn
@@ -353,21 +352,6 @@ def test_every_row_and_evaluation_once_across_a_sigkill(cifar_batches_dir, tmp_p
     evaluations = [c for c in seen if c["event"] == "evaluation"]
     assert [c["step"] for c in evaluations] == list(range(30, 121, 30))
     assert [c["event"] for c in seen].count("end") == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def finish(process, timeout=300):
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        stdout, stderr = process.communicate()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 import quick_compile
-from conftest import small_models_main
+from conftest import free_port, small_models_main
 from overrides import with_overrides
 
 import jaxtrain
@@ -262,12 +261,6 @@ def test_a_corrupt_image_mid_epoch_names_the_file_and_keeps_the_checkpoint(cifar
         assert meta["step"] == 10 and meta["input"]["position"] == 10
     finally:
         manager.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 SHARD_SCRIPT = """

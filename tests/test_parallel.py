@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import finish, free_port
 import quick_compile
 
 import jaxtrain
@@ -62,15 +63,6 @@ def start_main(args, env):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def finish(process, timeout=300):
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        stdout, stderr = process.communicate()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 def run_main(args, devices: int):
     return finish(start_main(args, devices_env(devices, quick_compile.LEVEL)))
 
@@ -97,12 +89,6 @@ def train_run(workdir, devices, *extra, data_dir):
                       devices)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
