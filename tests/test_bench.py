@@ -4,7 +4,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+import fork_server
 
 from configs import cifar_seed_cnn
 from jaxtrain.models.ops import onednn
@@ -37,7 +37,7 @@ def mlp_config(data_dir):
 
 
 def run(module_args, env=None):
-    return subprocess.run([sys.executable, *module_args], cwd=REPO, capture_output=True,
+    return fork_server.run([sys.executable, *module_args], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import quick_compile
 from conftest import finish, free_port, once_per_session
+import fork_server
 from overrides import with_overrides
 
 from configs import cifar_seed_cnn
@@ -182,7 +183,7 @@ def test_a_callback_argument_is_a_key_of_its_entry(cifar_batches_dir, tmp_path):
     the same callback."""
     config = write_config(tmp_path / "early.py", early=("EarlyStopping", {
         "monitor": "test_loss", "patience": 50, "min_delta": 10.0}))
-    done = subprocess.run(
+    done = fork_server.run(
         [sys.executable, "main.py", f"--config={config}", f"--workdir={tmp_path / 'run'}",
          f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
          "--config.model.name=mlp", "--config.model.hidden_sizes=(16,)",
@@ -242,7 +243,7 @@ def child_env(**extra):
 
 
 def run_main(config_file, workdir, data_dir, *flags, timeout=600):
-    return subprocess.run([sys.executable, "main.py", f"--config={config_file}",
+    return fork_server.run([sys.executable, "main.py", f"--config={config_file}",
                            f"--workdir={workdir}", f"--config.data.dir={data_dir}",
                            "--config.data.source=files", *flags], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
@@ -319,7 +320,7 @@ def test_every_row_and_evaluation_once_across_a_sigkill(cifar_batches_dir, tmp_p
     command = [sys.executable, "main.py", f"--config={config}", f"--workdir={workdir}",
                f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
                *KILLED_RUN]
-    first = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+    first = fork_server.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not marker.exists():
@@ -331,7 +332,7 @@ def test_every_row_and_evaluation_once_across_a_sigkill(cifar_batches_dir, tmp_p
     # starts from the newest one that was complete.
     newest = checkpoint.saved_steps(checkpoint.checkpoint_dir(str(workdir)))[-1]
     assert newest in (60, 80)  # past two checkpoints, before the rows delivered last
-    rerun = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
+    rerun = fork_server.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
                            timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
@@ -372,7 +373,7 @@ def test_a_stop_on_one_process_stops_both_at_the_same_step(cifar_batches_dir, tm
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {quick_compile.xla_flag(0)}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    processes = [subprocess.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
+    processes = [fork_server.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
                                   env=env, text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE) for i in range(2)]
     results = [finish(p) for p in processes]

@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 import quick_compile
 from conftest import once_per_session
+import fork_server
 from overrides import with_overrides
 
 import jaxtrain
@@ -254,7 +255,7 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
 
 def start_main(workdir, data_dir, run=LONG_RUN):
     """main.py with `run`'s flags in a child process, at -O1."""
-    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *run,
+    return fork_server.Popen([sys.executable, "main.py", f"--workdir={workdir}", *run,
                              f"--config.data.dir={data_dir}"], cwd=REPO, env=quick_compile.env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -351,7 +352,7 @@ def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
     assert evaluated["test_accuracy"] == pytest.approx(points[best], abs=1e-6)
     # docs/checkpoints.md's command as typed: no --config, the run's config.json is read
     # (compiled as this module compiles the run: JAX's jax_disable_most_optimizations)
-    done = subprocess.run([sys.executable, "main.py", "--mode=eval", f"--workdir={tmp_path}",
+    done = fork_server.run([sys.executable, "main.py", "--mode=eval", f"--workdir={tmp_path}",
                            "--checkpoint=best"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -426,7 +427,7 @@ def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset
     np.savez(npz, x_train=up(cifar_subset["x_train"][:64]), y_train=cifar_subset["y_train"][:64],
              x_test=up(cifar_subset["x_test"][:400]), y_test=cifar_subset["y_test"][:400])
     workdir = tmp_path / "run"
-    process = subprocess.Popen(
+    process = fork_server.Popen(
         [sys.executable, "main.py", "--config=configs/cifar.py", f"--workdir={workdir}",
          "--config.data.name=arrays", f"--config.data.dir={npz}", "--config.train.num_steps=3",
          "--config.train.batch_size=4", "--config.eval.every_steps=2",
@@ -467,14 +468,14 @@ def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batc
                f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
                "--config.model.hidden_sizes=(16,)", "--config.train.batch_size=200",
                "--config.eval.batch_size=250"]
-    longer = subprocess.run([*command, "--config.train.num_epochs=2"], cwd=REPO,
+    longer = fork_server.run([*command, "--config.train.num_epochs=2"], cwd=REPO,
                             env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert f"extending the finished run in {tmp_path / 'run'} (step 10) to 2 epochs: the " \
         "learning-rate schedule is the new length's from here on" in longer.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["resumed_from_step"] == 10
-    shorter = subprocess.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
+    shorter = fork_server.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
                              env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
     assert shorter.returncode == 2
     assert "holds checkpoints of another recipe (train.num_epochs: 2 -> 1)" in shorter.stderr

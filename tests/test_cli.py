@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import fork_server
 
 from configs import cifar_seed_cnn
 from jaxtrain.config import checks, defaults
@@ -21,7 +22,7 @@ MAIN = str(REPO / "main.py")
 
 
 def run_main(*args, cwd=REPO, timeout=300, env=None):
-    return subprocess.run([sys.executable, MAIN, *args], cwd=cwd, capture_output=True,
+    return fork_server.run([sys.executable, MAIN, *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -477,7 +478,7 @@ def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir
     imported = subprocess.run([sys.executable, "-c", "import jaxtrain; print(jaxtrain.__file__)"],
                               cwd=recipe.parent, capture_output=True, text=True, env=env)
     assert imported.stdout.strip() == str(target / "jaxtrain" / "__init__.py"), imported.stderr
-    trained = subprocess.run([sys.executable, "-m", "jaxtrain", f"--config={recipe}",
+    trained = fork_server.run([sys.executable, "-m", "jaxtrain", f"--config={recipe}",
                               f"--config.data.dir={cifar_batches_dir}",
                               "--config.data.source=files"], cwd=recipe.parent,
                              capture_output=True, text=True, env=env, timeout=300)

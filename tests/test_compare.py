@@ -1,7 +1,6 @@
 """jaxtrain against its PyTorch twins, on a real CIFAR-10 subset (2,000 train / 500 test)."""
 import functools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import fork_server
 import torch  # in requirements.txt: these tests must run, not skip
 
 from configs import cifar, cifar_seed_cnn, cifar_speedrun, default
@@ -105,7 +105,7 @@ def test_torch_without_cuda_beside_a_jax_gpu_is_one_line():
 
 @pytest.mark.slow
 def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
-    result = subprocess.run(
+    result = fork_server.run(
         [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
          f"--workdir={tmp_path}", f"--config.data.dir={cifar_batches_dir}",
          "--config.train.num_steps=5", "--frameworks=jax,torch_fast",
@@ -127,7 +127,7 @@ def test_command_line_prints_the_table(cifar_batches_dir, tmp_path):
 
 @pytest.mark.slow
 def test_command_line_rejects_an_unknown_framework(tmp_path):
-    result = subprocess.run(
+    result = fork_server.run(
         [sys.executable, "-m", "jaxtrain.compare", "--config=configs/cifar_seed_cnn.py",
          f"--workdir={tmp_path}", "--frameworks=jax,tensorflow"],
         cwd=REPO, capture_output=True, text=True, timeout=120)

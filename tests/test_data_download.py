@@ -12,12 +12,12 @@ import http.server
 import os
 import re
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+import fork_server
 
 from jaxtrain import data
 from jaxtrain.data import DataError
@@ -298,7 +298,7 @@ def run_cli(*args, patch=None):
                 f'sys.argv = ["jaxtrain.data", *{list(args)!r}]\n'
                 'runpy.run_module("jaxtrain.data", run_name="__main__", alter_sys=True)\n')
         command = ['-c', code]
-    return subprocess.run([sys.executable, *command], cwd=REPO, env=env,
+    return fork_server.run([sys.executable, *command], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import require_module
+import fork_server
 
 import jaxtrain
 from jaxtrain import models
@@ -261,7 +262,7 @@ def test_an_operation_the_exporter_cannot_take_is_one_line_naming_it(arrays_npz,
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxtrain.export", *map(str, args)], cwd=REPO,
+    return fork_server.run([sys.executable, "-m", "jaxtrain.export", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -289,7 +290,7 @@ def test_the_command_writes_the_file_and_its_json_and_applies_predict_s_tta(
     np.testing.assert_allclose(from_export, jaxtrain.restore(workdir).predict(test_images[:3])[1],
                                atol=PROBABILITY_ATOL, rtol=0)
 
-    predicted = subprocess.run([sys.executable, "-m", "jaxtrain.predict", workdir, str(image),
+    predicted = fork_server.run([sys.executable, "-m", "jaxtrain.predict", workdir, str(image),
                                 "--json", "--top=10"], cwd=REPO, capture_output=True,
                                text=True, timeout=300)
     assert predicted.returncode == 0, predicted.stderr[-2000:]

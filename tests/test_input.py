@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import quick_compile
 from conftest import free_port, small_models_main
+import fork_server
 from overrides import with_overrides
 
 import jaxtrain
@@ -183,7 +184,7 @@ STREAM_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.name=folder",
 
 
 def start_main(workdir, data_dir, *extra):
-    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *STREAM_RUN,
+    return fork_server.Popen([sys.executable, "main.py", f"--workdir={workdir}", *STREAM_RUN,
                              f"--config.data.dir={data_dir}", *extra], cwd=REPO,
                             env=quick_compile.env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -296,7 +297,7 @@ def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     env["PYTHONPATH"] = str(REPO)
     address = f"localhost:{free_port()}"
-    processes = [subprocess.Popen([sys.executable, "-c", SHARD_SCRIPT, address, str(i)],
+    processes = [fork_server.Popen([sys.executable, "-c", SHARD_SCRIPT, address, str(i)],
                                   cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE) for i in range(2)]
     results = []
@@ -318,7 +319,7 @@ def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
 def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path):
     """The recipe's command with ResNet-50 cut to one bottleneck a stage (the stem, the
     strided blocks and the projections all in; conftest.small_models_main)."""
-    result = subprocess.run(
+    result = fork_server.run(
         small_models_main("--config=configs/imagenet_resnet50.py", f"--workdir={tmp_path}",
                           f"--config.data.dir={imagenet_folder}", "--config.data.image_size=64",
                           "--config.data.workers=2", "--config.train.batch_size=8",
@@ -336,7 +337,7 @@ def test_the_imagenet_recipe_runs_a_few_steps_at_64_px(imagenet_folder, tmp_path
 
 @pytest.mark.slow
 def test_bench_input_only_times_the_loader_alone(cifar_jpeg_folder, tmp_path):
-    result = subprocess.run(
+    result = fork_server.run(
         [sys.executable, "-m", "jaxtrain.bench", "--config=configs/imagenet_resnet50.py",
          "--input-only", "--batches=5", f"--json={tmp_path / 'batches.json'}",
          f"--config.data.dir={cifar_jpeg_folder}", "--config.data.image_size=48",

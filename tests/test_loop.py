@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import quick_compile
+import fork_server
 
 from jaxtrain import models
 from jaxtrain.config import defaults
@@ -182,7 +182,7 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
                "try:\n    xla_cache.enable(sys.argv[1])\n"
                "except xla_cache.ConfigError as error:\n    print(error)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    result = subprocess.run([sys.executable, "-c", snippet, str(blocker / "xla")], cwd=REPO,
+    result = fork_server.run([sys.executable, "-c", snippet, str(blocker / "xla")], cwd=REPO,
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.stdout.strip() == (
         f"config.train.compilation_cache='{blocker / 'xla'}': cannot create it (Not a "
@@ -193,7 +193,7 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
 
 def main_py(workdir, data_dir, home, *args):
     env = quick_compile.env(0, {k: v for k, v in os.environ.items() if not k.startswith("JAX_")})
-    return subprocess.run(
+    return fork_server.run(
         [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", "--config.data.source=files",
          "--config.train.num_steps=20", "--config.model.name=mlp",
@@ -306,7 +306,7 @@ def test_a_training_run_imports_neither_torch_nor_tensorflow(tmp_path):
                "jaxtrain.runtime.report.Reporter(sys.argv[1], total_steps=1).close()\n"
                "heavy = {'torch', 'tensorflow', 'tensorflow_datasets', 'matplotlib'}\n"
                "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
-    result = subprocess.run([sys.executable, "-c", snippet, str(tmp_path)], cwd=REPO,
+    result = fork_server.run([sys.executable, "-c", snippet, str(tmp_path)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

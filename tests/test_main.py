@@ -1,17 +1,17 @@
 """The command line, run as users run it: `python main.py --config=... --workdir=...`."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import fork_server
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_main(*args, env=None):
-    return subprocess.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True,
+    return fork_server.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 

@@ -4,7 +4,6 @@ built-in convolutional model; what it does not cover stays lax's; it batches und
 (replicas); an explicit 'onednn' that cannot be built is one line, exit 2, nothing written."""
 import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from jax import lax
 from conftest import missing, normal
+import fork_server
 
 from jaxtrain import models
 from jaxtrain.config import checks, defaults
@@ -203,7 +203,7 @@ def without_a_compiler(tmp_path):
 def test_without_onednn_auto_says_so_once_and_uses_xla(tmp_path):
     script = ("from jaxtrain.models.ops import onednn\n"
               "print(onednn.resolve('auto'), onednn.resolve('auto'))\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+    done = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, env=without_a_compiler(tmp_path), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["xla", "xla"]
@@ -215,7 +215,7 @@ def test_without_onednn_auto_says_so_once_and_uses_xla(tmp_path):
 @pytest.mark.slow
 def test_an_explicit_onednn_that_cannot_be_built_is_one_line_exit_2(tmp_path):
     workdir = tmp_path / "run"
-    done = subprocess.run(
+    done = fork_server.run(
         [sys.executable, "main.py", "--config=configs/fashion_mnist_cnn.py",
          f"--workdir={workdir}", "--config.model.conv_impl=onednn",
          "--config.train.num_steps=2"],
@@ -239,7 +239,7 @@ def test_several_devices_keep_xla_s_and_an_explicit_onednn_there_is_one_line(tmp
               "    print(error)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+    done = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [

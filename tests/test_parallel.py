@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from conftest import finish, free_port
 import quick_compile
+import fork_server
 
 import jaxtrain
 from jaxtrain import ConfigError
@@ -59,7 +60,7 @@ def devices_env(count: int, backend_level: int | None = None) -> dict:
 
 
 def start_main(args, env):
-    return subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env=env, text=True,
+    return fork_server.Popen([sys.executable, "main.py", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -3,12 +3,12 @@ probabilities as restore().predict on the arrays the run's own folder loader mak
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import fork_server
 
 import jaxtrain
 from jaxtrain.config.defaults import get_config
@@ -88,7 +88,7 @@ def truncated_copy(source, target):
 
 
 def predict_cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxtrain.predict", *map(str, args)],
+    return fork_server.run([sys.executable, "-m", "jaxtrain.predict", *map(str, args)],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 

@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 import quick_compile
+import fork_server
 from overrides import with_overrides
 
 import jaxtrain
@@ -115,7 +116,7 @@ def test_a_sweep_of_a_shape_changing_key_is_refused_naming_it():
 
 @pytest.mark.slow
 def test_main_refuses_a_sweep_of_a_shape_changing_key_in_one_line(tmp_path):
-    result = subprocess.run(
+    result = fork_server.run(
         [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py",
          f"--workdir={tmp_path}", "--config.sweep.train.batch_size=(32,64)"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -234,7 +235,7 @@ LONG_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.source=files",
 def start_main(workdir, data_dir):
     """main.py with LONG_RUN's flags in a child process, XLA's LLVM backend at -O1 (its 600
     steps run as fast as at -O2; quick_compile.py)."""
-    return subprocess.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
+    return fork_server.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
                              f"--config.data.dir={data_dir}"], cwd=REPO, env=quick_compile.env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -15,6 +15,7 @@ import pytest
 import quick_compile
 import test_parallel
 from conftest import init_compiled
+import fork_server
 from overrides import with_overrides
 from test_parallel import finish, free_port
 
@@ -206,7 +207,7 @@ def devices_env(count: int, backend_level: int = quick_compile.LEVEL) -> dict:
 def probe(spec: dict, devices: int, tmp_path, backend_level: int = quick_compile.LEVEL) -> dict:
     spec_file, out_file = tmp_path / f"spec{devices}.json", tmp_path / f"out{devices}.json"
     spec_file.write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "scale_probe.py"), str(spec_file),
+    done = fork_server.run([sys.executable, str(REPO / "tests" / "scale_probe.py"), str(spec_file),
                            str(out_file)], env=devices_env(devices, backend_level),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -298,7 +299,7 @@ def test_bad_layouts_stop_with_one_line_and_write_nothing(tmp_path, arrays32):
                                                   "divide the batch per device (32 / 8 devices "
                                                   "= 4 images)"))):
         workdir = tmp_path / f"w{i}"
-        done = subprocess.run(
+        done = fork_server.run(
             [sys.executable, "main.py", "--config=configs/default.py", f"--workdir={workdir}",
              "--config.data.name=arrays", f"--config.data.dir={arrays32}",
              "--config.train.batch_size=32", flag], cwd=REPO, env=devices_env(8),
@@ -324,7 +325,7 @@ def check_two_processes_of_four_devices_train_with_fsdp(out, tmp_path, arrays32)
             "--config.eval.batch_size=16", "--config.eval.every_epochs=0",
             "--config.checkpoint.every_epochs=0", "--config.parallel.fsdp=8",
             f"--coordinator_address={address}", "--num_processes=2"]
-    processes = [subprocess.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
+    processes = [fork_server.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
                                   env=devices_env(4), text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE) for i in range(2)]
     results = [finish(p) for p in processes]

@@ -17,6 +17,7 @@ from pathlib import Path
 import filelock
 import pytest
 import quick_compile
+import fork_server
 
 from jaxtrain.runtime import report
 from jaxtrain.training import checkpoint
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow  # every test here runs main.py, a few times
 
 def start(workdir, *flags):
     env = dict(ENV, PYTHONUNBUFFERED="1")  # the console's lines as they are printed
-    return subprocess.Popen([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=env,
+    return fork_server.Popen([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -86,7 +87,7 @@ def uninterrupted(tmp_path_factory, worker_id):
     workdir = shared / "signals_uninterrupted"
     with filelock.FileLock(str(shared / "signals_uninterrupted.lock")):
         if not (workdir / report.SUMMARY_FILE).exists():
-            done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
+            done = fork_server.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
                                   capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stderr[-3000:]
             assert "train.precision='auto': float32 on cpu (" in done.stdout
@@ -97,7 +98,7 @@ def uninterrupted(tmp_path_factory, worker_id):
 
 def rerun_ends_as(workdir, uninterrupted, resumed_from: int) -> str:
     reference_dir, reference = uninterrupted
-    done = subprocess.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
+    done = fork_server.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
@@ -190,7 +191,7 @@ def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
     assert checkpoint.saved_steps(str(workdir / "checkpoints")) == [5, 10]
     assert [row["step"] for row in train_rows(workdir)] == [5, 10]
     assert not evaluated_steps(workdir)
-    done = subprocess.run([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=ENV,
+    done = fork_server.run([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert list(evaluated_steps(workdir)) == [10, 15]

@@ -4,7 +4,6 @@ import glob
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import quick_compile
+import fork_server
 from test_callbacks import mlp_config
 
 import jaxtrain
@@ -127,7 +127,7 @@ from jaxtrain.run import loop
 loop.train_and_evaluate(mlp_config({str(cifar_batches_dir)!r}, train__num_steps=2), {str(tmp_path)!r})
 print(sorted(name for name in ("mlflow", "wandb") if name in sys.modules))
 """
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+    result = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                             text=True, timeout=300,
                             env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
                                  "PATH": "/usr/bin:/bin", "XLA_FLAGS": quick_compile.xla_flag(0)})

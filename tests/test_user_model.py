@@ -1,12 +1,12 @@
 """Your own model: docs/models.md's Linen and NNX examples, named in a config or passed in."""
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import fork_server
 from overrides import with_overrides
 
 import jaxtrain
@@ -60,7 +60,7 @@ def test_an_imported_model_trains_and_restores_in_a_fresh_process(mynets, cifar_
     code = (f"import jaxtrain, numpy as np; c = jaxtrain.restore({str(tmp_path)!r}); "
             "labels, p = c.predict(np.zeros((2, 32, 32, 3), np.uint8)); "
             "print(c.step, labels.shape, p.shape)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+    result = fork_server.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=300,
                             env={**__import__("os").environ, "PYTHONPATH": f"{mynets}:{REPO}"})
     assert result.returncode == 0, result.stderr[-2000:]

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import require_module, small_models_main
+import fork_server
 
 from jaxtrain.config.defaults import get_config, param_group
 from jaxtrain.training import checkpoint, prepare, step
@@ -181,13 +182,13 @@ def test_a_vit_at_another_image_size_resamples_its_position_table(arrays_64, tmp
 
 
 def run_main(*args):
-    return subprocess.run([sys.executable, "main.py", *map(str, args)], cwd=REPO,
+    return fork_server.run([sys.executable, "main.py", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
 
 
 def run_main_small(*args):
     """run_main with the deep models cut to their smallest form (conftest.small_models_main)."""
-    return subprocess.run(small_models_main(*args), cwd=REPO, capture_output=True, text=True,
+    return fork_server.run(small_models_main(*args), cwd=REPO, capture_output=True, text=True,
                           timeout=600)
 
 
@@ -350,7 +351,7 @@ def test_init_from_is_read_at_step_0_only_and_resume_stays_exact(cifar_workdir,
     reference = run_main(*flags, f"--workdir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr[-2000:]
     workdir = tmp_path / "killed"
-    first = subprocess.Popen([sys.executable, "main.py", *flags, f"--workdir={workdir}"],
+    first = fork_server.Popen([sys.executable, "main.py", *flags, f"--workdir={workdir}"],
                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while not checkpoint.saved_steps(str(workdir / "checkpoints")):
@@ -540,7 +541,7 @@ def test_a_run_saved_before_freeze_existed_resumes_and_freezing_it_is_a_change()
 
 def finetune(folder, workdir, *overrides):
     """The README's fine-tuning command on `folder`, as a user types it."""
-    return subprocess.run([sys.executable, "main.py", "--config=configs/finetune.py",
+    return fork_server.run([sys.executable, "main.py", "--config=configs/finetune.py",
                            f"--config.data.dir={folder}", f"--workdir={workdir}", *overrides],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
 

@@ -7,11 +7,11 @@ what it read shows in the debug options it dumps beside each module
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import fork_server
 
 from jaxtrain.config import checks, defaults
 from jaxtrain.errors import ConfigError
@@ -42,7 +42,7 @@ def run(args, env_flags=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if env_flags is not None:
         env["XLA_FLAGS"] = env_flags
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+    return fork_server.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env=env)
 
 
