@@ -224,7 +224,7 @@ def test_inspect_on_eight_devices_reports_the_gradient_all_reduce(cifar_batches_
     result = run(["-m", "jaxtrain.bench", "--inspect", "--steps=1",
                   "--config=configs/cifar_seed_cnn.py", "--config.train.batch_size=8",
                   f"--config.data.dir={cifar_batches_dir}", f"--json={path}"],
-                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                 env={"XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all-reduce per step:" in result.stdout
     info = json.loads(path.read_text())
@@ -274,7 +274,8 @@ def test_runs_zero_compiles_only(cifar_batches_dir):
 
 # ---------------------------------------------------------------- devices, cache, whole process
 
-TWO_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+# XLA_FLAGS given here replaces the variable: conftest.py's -O1 is kept in it
+TWO_CPUS = {"XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"}
 
 
 def bench_args(data_dir, *args):

@@ -10,15 +10,19 @@ item by hand:
     python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
     python3 benchmarks/h200.py --dry --part=2 --data_dir=DIR --out=/tmp/h200
 """
+import glob
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
+from conftest import finish
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "h200.py"
@@ -105,18 +109,47 @@ def test_an_item_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
     assert report["items"] == {}  # the run ends at the setup step it could not run
 
 
+def freeze_once_a_run_is_written(script: subprocess.Popen, partial: str) -> None:
+    """SIGSTOP to the process group of the item writing `partial` (a glob) once it holds a
+    finished run: from then on the item hangs, using no CPU, until its cap ends it."""
+    deadline = time.monotonic() + 240
+    while script.poll() is None and time.monotonic() < deadline:
+        for path in glob.glob(partial):
+            try:
+                runs = json.loads(Path(path).read_text()).get("runs", [])
+            except ValueError:
+                continue  # being written
+            if runs:
+                for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+                    try:
+                        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    except OSError:
+                        continue
+                    if f"--json={path}".encode() in cmdline:
+                        os.killpg(pid, signal.SIGSTOP)  # its own group (h200.run_item)
+                        return
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_an_item_stopped_at_its_cap_reports_its_finished_runs(cifar_batches_dir, tmp_path):
     """The speedrun benchmark writes its JSON after compiling and after every run: stopped
     at its cap part-way through 100,000 runs, it has left its compile time and the runs it
     finished in h200.json, and the next item still runs. The cap leaves room for the start,
     the compile and one run with three workers on two cores (a compile there has taken up
-    to 30 s, a run up to 3 s)."""
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dry",
-                             f"--data_dir={cifar_batches_dir}", f"--out={tmp_path}",
-                             "--wheels=/nonexistent", "--only=speedrun,seed_64_replicas",
-                             "--runs=100000", "--caps=speedrun=60,seed_64_replicas=1"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    to 30 s, a run up to 3 s). Once its first run is written the item is frozen, as a hung
+    item would be, so that the cap's wait costs no CPU."""
+    scratch = tmp_path / "scratch"  # h200.py's temporary folder goes in here (TMPDIR)
+    scratch.mkdir()
+    script = subprocess.Popen([sys.executable, str(SCRIPT), "--dry",
+                               f"--data_dir={cifar_batches_dir}", f"--out={tmp_path}",
+                               "--wheels=/nonexistent", "--only=speedrun,seed_64_replicas",
+                               "--runs=100000", "--caps=speedrun=60,seed_64_replicas=1"],
+                              cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
+    freeze_once_a_run_is_written(script, str(scratch / "jaxtrain-h200-*" / "work" /
+                                             "speedrun.json"))
+    result = finish(script)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
     items = json.loads((tmp_path / "h200.json").read_text())["items"]
     speedrun = items["speedrun"]

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -192,8 +193,9 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
 # ---------------------------------------------------------------- main.py, as a user runs it
 
 def main_py(workdir, data_dir, home, *args):
+    """A fresh process (not fork_server's): the console's first line times its imports."""
     env = quick_compile.env(0, {k: v for k, v in os.environ.items() if not k.startswith("JAX_")})
-    return fork_server.run(
+    return subprocess.run(
         [sys.executable, "main.py", "--config=configs/cifar_seed_cnn.py", f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", "--config.data.source=files",
          "--config.train.num_steps=20", "--config.model.name=mlp",
