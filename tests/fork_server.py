@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRELOAD = ("absl.app", "absl.flags", "numpy", "jax", "jax.numpy", "flax", "flax.linen",
            "flax.nnx", "optax", "orbax.checkpoint", "ml_collections", "PIL.Image",
-           "jaxtrain", "jaxtrain.cli", "jaxtrain.run.loop", "jaxtrain.predict",
-           "jaxtrain.perf.benchmark")
+           "matplotlib.pyplot", "jaxtrain", "jaxtrain.run.evaluate_checkpoint",
+           "jaxtrain.cli", "jaxtrain.run.loop", "jaxtrain.predict", "jaxtrain.perf.benchmark")
 
 
 # ---- the server ----------------------------------------------------------------------------
@@ -37,6 +37,8 @@ PRELOAD = ("absl.app", "absl.flags", "numpy", "jax", "jax.numpy", "flax", "flax.
 def _serve(control: socket.socket) -> None:
     for name in PRELOAD:
         __import__(name)
+    from jaxtrain.runtime import report
+    report.import_tensorboardx()  # as a run imports it: without torch
     import gc
     gc.collect()
     gc.freeze()  # the children's copies of these objects stay shared pages
@@ -110,7 +112,9 @@ def _child(request, fds, reply, base_path) -> None:
         try:
             if args[0] == "-m":
                 sys.argv = ["-m", *args[2:]]
-                sys.modules.pop(args[1], None)  # preloaded as a dependency: run afresh
+                module = sys.modules.get(args[1])  # preloaded: its __main__ runs afresh
+                sys.modules.pop(args[1] if module is None or not hasattr(module, "__path__")
+                                else args[1] + ".__main__", None)
                 runpy.run_module(args[1], run_name="__main__", alter_sys=True)
             elif args[0] == "-c":
                 sys.argv = ["-c", *args[2:]]
