@@ -13,9 +13,11 @@ read by each command as a fresh process reads them.
 Run as a script, this file is the server: it reads requests on the socket it is given.
 """
 import atexit
+import gc
 import io
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -39,7 +41,6 @@ def _serve(control: socket.socket) -> None:
         __import__(name)
     from jaxtrain.runtime import report
     report.import_tensorboardx()  # as a run imports it: without torch
-    import gc
     gc.collect()
     gc.freeze()  # the children's copies of these objects stay shared pages
     base_path = [p for p in sys.path[1:] if p not in _pythonpath(os.environ)]
@@ -108,7 +109,6 @@ def _child(request, fds, reply, base_path) -> None:
         first = "" if args[0] in ("-m", "-c") else os.path.dirname(os.path.abspath(args[0]))
         sys.path[:] = [first, *_pythonpath(os.environ), *base_path]
         sys.orig_argv = [sys.executable, *args]  # what a command re-running itself reads
-        import runpy
         try:
             if args[0] == "-m":
                 sys.argv = ["-m", *args[2:]]
@@ -154,14 +154,9 @@ def _child(request, fds, reply, base_path) -> None:
 def _print_uncaught() -> None:
     """The traceback Python prints for an uncaught exception, from the command's own frames."""
     kind, error, frames = sys.exc_info()
-    while frames is not None and frames.tb_frame.f_code.co_filename in (__file__, runpy_file()):
+    while frames is not None and frames.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
         frames = frames.tb_next
     sys.excepthook(kind, error, frames)
-
-
-def runpy_file() -> str:
-    import runpy
-    return runpy.__file__
 
 
 # ---- the client: one server per test worker ------------------------------------------------
@@ -169,7 +164,7 @@ def runpy_file() -> str:
 _server = {}
 
 
-def _connection() -> socket.socket | None:
+def _connection() -> socket.socket:
     if "socket" not in _server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
