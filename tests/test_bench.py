@@ -38,7 +38,7 @@ def mlp_config(data_dir):
 
 def run(module_args, env=None):
     return fork_server.run([sys.executable, *module_args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **(env or {})})
+                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow

@@ -246,7 +246,7 @@ def run_main(config_file, workdir, data_dir, *flags, timeout=600):
     return fork_server.run([sys.executable, "main.py", f"--config={config_file}",
                            f"--workdir={workdir}", f"--config.data.dir={data_dir}",
                            "--config.data.source=files", *flags], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+                           capture_output=True, text=True, timeout=timeout)
 
 
 SMALL = ("--config.model.name=mlp", "--config.model.hidden_sizes=(16,)",
@@ -321,7 +321,7 @@ def test_every_row_and_evaluation_once_across_a_sigkill(cifar_batches_dir, tmp_p
                f"--config.data.dir={cifar_batches_dir}", "--config.data.source=files",
                *KILLED_RUN]
     first = fork_server.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not marker.exists():
         assert first.poll() is None and time.time() < deadline, first.communicate()
@@ -333,7 +333,7 @@ def test_every_row_and_evaluation_once_across_a_sigkill(cifar_batches_dir, tmp_p
     newest = checkpoint.saved_steps(checkpoint.checkpoint_dir(str(workdir)))[-1]
     assert newest in (60, 80)  # past two checkpoints, before the rows delivered last
     rerun = fork_server.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                           timeout=600)
+                            timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
     starts = [c for c in seen if c["event"] == "start"]
@@ -374,8 +374,8 @@ def test_a_stop_on_one_process_stops_both_at_the_same_step(cifar_batches_dir, tm
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {quick_compile.xla_flag(0)}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     processes = [fork_server.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
-                                  env=env, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for i in range(2)]
+                                   env=env, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE) for i in range(2)]
     results = [finish(p) for p in processes]
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
     assert "stopped early at step 20: a callback of process 1 asked to stop" in results[0].stdout

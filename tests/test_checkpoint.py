@@ -257,7 +257,7 @@ def start_main(workdir, data_dir, run=LONG_RUN):
     """main.py with `run`'s flags in a child process, at -O1."""
     return fork_server.Popen([sys.executable, "main.py", f"--workdir={workdir}", *run,
                              f"--config.data.dir={data_dir}"], cwd=REPO, env=quick_compile.env(1),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_step(workdir, step, process, timeout=300):
@@ -354,7 +354,7 @@ def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
     # (compiled as this module compiles the run: JAX's jax_disable_most_optimizations)
     done = fork_server.run([sys.executable, "main.py", "--mode=eval", f"--workdir={tmp_path}",
                            "--checkpoint=best"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1"))
+                           timeout=300, env=dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"checkpoint step {best}: test_accuracy={points[best]:.2%}" in done.stdout
     # Resuming with more steps starts from the newest, not the best.
@@ -469,14 +469,14 @@ def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batc
                "--config.model.hidden_sizes=(16,)", "--config.train.batch_size=200",
                "--config.eval.batch_size=250"]
     longer = fork_server.run([*command, "--config.train.num_epochs=2"], cwd=REPO,
-                            env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
+                             env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert f"extending the finished run in {tmp_path / 'run'} (step 10) to 2 epochs: the " \
         "learning-rate schedule is the new length's from here on" in longer.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["resumed_from_step"] == 10
     shorter = fork_server.run([*command, "--config.train.num_epochs=1"], cwd=REPO,
-                             env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
+                              env=quick_compile.env(0), capture_output=True, text=True, timeout=300)
     assert shorter.returncode == 2
     assert "holds checkpoints of another recipe (train.num_epochs: 2 -> 1)" in shorter.stderr
 

@@ -23,7 +23,7 @@ MAIN = str(REPO / "main.py")
 
 def run_main(*args, cwd=REPO, timeout=300, env=None):
     return fork_server.run([sys.executable, MAIN, *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -481,7 +481,7 @@ def test_pip_install_gives_jaxtrain_anywhere_with_its_defaults(cifar_batches_dir
     trained = fork_server.run([sys.executable, "-m", "jaxtrain", f"--config={recipe}",
                               f"--config.data.dir={cifar_batches_dir}",
                               "--config.data.source=files"], cwd=recipe.parent,
-                             capture_output=True, text=True, env=env, timeout=300)
+                              capture_output=True, text=True, env=env, timeout=300)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "workdir: runs/my_recipe" in trained.stdout
     summary = json.loads((recipe.parent / "runs" / "my_recipe" / "summary.json").read_text())

@@ -299,7 +299,7 @@ def run_cli(*args, patch=None):
                 'runpy.run_module("jaxtrain.data", run_name="__main__", alter_sys=True)\n')
         command = ['-c', code]
     return fork_server.run([sys.executable, *command], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.slow

@@ -263,7 +263,7 @@ def test_an_operation_the_exporter_cannot_take_is_one_line_naming_it(arrays_npz,
 
 def cli(*args):
     return fork_server.run([sys.executable, "-m", "jaxtrain.export", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300)
 
 
 def test_the_command_writes_the_file_and_its_json_and_applies_predict_s_tta(
@@ -292,7 +292,7 @@ def test_the_command_writes_the_file_and_its_json_and_applies_predict_s_tta(
 
     predicted = fork_server.run([sys.executable, "-m", "jaxtrain.predict", workdir, str(image),
                                 "--json", "--top=10"], cwd=REPO, capture_output=True,
-                               text=True, timeout=300)
+                                text=True, timeout=300)
     assert predicted.returncode == 0, predicted.stderr[-2000:]
     line = json.loads(predicted.stdout.strip().splitlines()[-1])
     from_predict = {entry["label"]: entry["probability"] for entry in line["top"]}

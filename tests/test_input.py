@@ -186,8 +186,8 @@ STREAM_RUN = ["--config=configs/cifar_seed_cnn.py", "--config.data.name=folder",
 def start_main(workdir, data_dir, *extra):
     return fork_server.Popen([sys.executable, "main.py", f"--workdir={workdir}", *STREAM_RUN,
                              f"--config.data.dir={data_dir}", *extra], cwd=REPO,
-                            env=quick_compile.env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             env=quick_compile.env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
 
 
 def wait_for_step(workdir, step, process, timeout=300):
@@ -298,8 +298,8 @@ def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
     env["PYTHONPATH"] = str(REPO)
     address = f"localhost:{free_port()}"
     processes = [fork_server.Popen([sys.executable, "-c", SHARD_SCRIPT, address, str(i)],
-                                  cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for i in range(2)]
+                                   cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE) for i in range(2)]
     results = []
     for process in processes:
         out, err = process.communicate(timeout=300)

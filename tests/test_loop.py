@@ -184,7 +184,7 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
                "except xla_cache.ConfigError as error:\n    print(error)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     result = fork_server.run([sys.executable, "-c", snippet, str(blocker / "xla")], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, env=env)
+                             capture_output=True, text=True, timeout=120, env=env)
     assert result.stdout.strip() == (
         f"config.train.compilation_cache='{blocker / 'xla'}': cannot create it (Not a "
         "directory); set train.compilation_cache='' to run without the compilation cache")

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_main(*args, env=None):
     return fork_server.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **(env or {})})
+                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow

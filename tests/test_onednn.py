@@ -204,7 +204,7 @@ def test_without_onednn_auto_says_so_once_and_uses_xla(tmp_path):
     script = ("from jaxtrain.models.ops import onednn\n"
               "print(onednn.resolve('auto'), onednn.resolve('auto'))\n")
     done = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, env=without_a_compiler(tmp_path), timeout=300)
+                           text=True, env=without_a_compiler(tmp_path), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["xla", "xla"]
     lines = [line for line in done.stderr.splitlines() if "conv_impl" in line]
@@ -240,7 +240,7 @@ def test_several_devices_keep_xla_s_and_an_explicit_onednn_there_is_one_line(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     done = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, env=env, timeout=300)
+                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [
         "xla", "config.model.conv_impl='onednn' runs on one device; this run has 2 "

@@ -61,7 +61,7 @@ def devices_env(count: int, backend_level: int | None = None) -> dict:
 
 def start_main(args, env):
     return fork_server.Popen([sys.executable, "main.py", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def run_main(args, devices: int):

@@ -89,8 +89,8 @@ def truncated_copy(source, target):
 
 def predict_cli(*args):
     return fork_server.run([sys.executable, "-m", "jaxtrain.predict", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                           cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.slow

@@ -237,7 +237,7 @@ def start_main(workdir, data_dir):
     steps run as fast as at -O2; quick_compile.py)."""
     return fork_server.Popen([sys.executable, "main.py", f"--workdir={workdir}", *LONG_RUN,
                              f"--config.data.dir={data_dir}"], cwd=REPO, env=quick_compile.env(1),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow

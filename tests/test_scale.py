@@ -209,7 +209,7 @@ def probe(spec: dict, devices: int, tmp_path, backend_level: int = quick_compile
     spec_file.write_text(json.dumps(spec))
     done = fork_server.run([sys.executable, str(REPO / "tests" / "scale_probe.py"), str(spec_file),
                            str(out_file)], env=devices_env(devices, backend_level),
-                          capture_output=True, text=True, timeout=900)
+                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out_file.read_text())
 
@@ -326,8 +326,8 @@ def check_two_processes_of_four_devices_train_with_fsdp(out, tmp_path, arrays32)
             "--config.checkpoint.every_epochs=0", "--config.parallel.fsdp=8",
             f"--coordinator_address={address}", "--num_processes=2"]
     processes = [fork_server.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
-                                  env=devices_env(4), text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for i in range(2)]
+                                   env=devices_env(4), text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE) for i in range(2)]
     results = [finish(p) for p in processes]
     for i, result in enumerate(results):
         assert result.returncode == 0, f"process {i}:\n{result.stderr[-3000:]}"

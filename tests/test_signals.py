@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow  # every test here runs main.py, a few times
 def start(workdir, *flags):
     env = dict(ENV, PYTHONUNBUFFERED="1")  # the console's lines as they are printed
     return fork_server.Popen([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def signal_after_start(process, signum, seconds: float):
@@ -88,7 +88,7 @@ def uninterrupted(tmp_path_factory, worker_id):
     with filelock.FileLock(str(shared / "signals_uninterrupted.lock")):
         if not (workdir / report.SUMMARY_FILE).exists():
             done = fork_server.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
-                                  capture_output=True, text=True, timeout=600)
+                                   capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stderr[-3000:]
             assert "train.precision='auto': float32 on cpu (" in done.stdout
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
@@ -99,7 +99,7 @@ def uninterrupted(tmp_path_factory, worker_id):
 def rerun_ends_as(workdir, uninterrupted, resumed_from: int) -> str:
     reference_dir, reference = uninterrupted
     done = fork_server.run([*COMMAND, f"--workdir={workdir}"], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
     assert summary["resumed_from_step"] == resumed_from
@@ -192,7 +192,7 @@ def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
     assert [row["step"] for row in train_rows(workdir)] == [5, 10]
     assert not evaluated_steps(workdir)
     done = fork_server.run([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert list(evaluated_steps(workdir)) == [10, 15]
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())

@@ -128,8 +128,8 @@ loop.train_and_evaluate(mlp_config({str(cifar_batches_dir)!r}, train__num_steps=
 print(sorted(name for name in ("mlflow", "wandb") if name in sys.modules))
 """
     result = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                            text=True, timeout=300,
-                            env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+                             text=True, timeout=300,
+                             env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
                                  "PATH": "/usr/bin:/bin", "XLA_FLAGS": quick_compile.xla_flag(0)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -61,8 +61,8 @@ def test_an_imported_model_trains_and_restores_in_a_fresh_process(mynets, cifar_
             "labels, p = c.predict(np.zeros((2, 32, 32, 3), np.uint8)); "
             "print(c.step, labels.shape, p.shape)")
     result = fork_server.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=300,
-                            env={**__import__("os").environ, "PYTHONPATH": f"{mynets}:{REPO}"})
+                             text=True, timeout=300,
+                             env={**__import__("os").environ, "PYTHONPATH": f"{mynets}:{REPO}"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[0] == "30"
 

@@ -183,13 +183,13 @@ def test_a_vit_at_another_image_size_resamples_its_position_table(arrays_64, tmp
 
 def run_main(*args):
     return fork_server.run([sys.executable, "main.py", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600)
 
 
 def run_main_small(*args):
     """run_main with the deep models cut to their smallest form (conftest.small_models_main)."""
     return fork_server.run(small_models_main(*args), cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                           timeout=600)
 
 
 def small_torchvision_resnet(name):
@@ -352,7 +352,7 @@ def test_init_from_is_read_at_step_0_only_and_resume_stays_exact(cifar_workdir,
     assert reference.returncode == 0, reference.stderr[-2000:]
     workdir = tmp_path / "killed"
     first = fork_server.Popen([sys.executable, "main.py", *flags, f"--workdir={workdir}"],
-                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while not checkpoint.saved_steps(str(workdir / "checkpoints")):
         assert first.poll() is None and time.time() < deadline, first.communicate()
@@ -543,7 +543,7 @@ def finetune(folder, workdir, *overrides):
     """The README's fine-tuning command on `folder`, as a user types it."""
     return fork_server.run([sys.executable, "main.py", "--config=configs/finetune.py",
                            f"--config.data.dir={folder}", f"--workdir={workdir}", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow

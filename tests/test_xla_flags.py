@@ -43,7 +43,7 @@ def run(args, env_flags=None):
     if env_flags is not None:
         env["XLA_FLAGS"] = env_flags
     return fork_server.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env=env)
+                           timeout=600, env=env)
 
 
 def test_flags_are_read_checked_and_merged():
