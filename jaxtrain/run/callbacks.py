@@ -80,15 +80,16 @@ class UserCallbacks:
     each row and evaluation exactly once, also across a kill and resume (rows the file
     held past the resumed step were delivered before the kill: they come as history,
     not again). A StopTraining is kept as `stop_reason` (the first one); any other
-    exception stops the run as a CallbackError naming the callback."""
+    exception stops the run as a CallbackError naming the callback. `window`: the run's
+    rows.RowWindow (the epoch's steps not in a row yet, for on_evaluation's means)."""
 
-    def __init__(self, session, callbacks: list):
-        self.session, self.callbacks = session, callbacks
+    def __init__(self, run, window, callbacks: list):
+        self.run, self.window, self.callbacks = run, window, callbacks
         self.delivered = set()  # (step, replica, 'train' or 'test') of the rows delivered
         self.stop_reason = None
         self.started = False
 
-    def call(self, hook: str, *args, step=None):
+    def call(self, hook: str, *args, step: int):
         for callback in self.callbacks:
             if not base.overrides(callback, hook):
                 continue
@@ -99,13 +100,12 @@ class UserCallbacks:
                     self.stop_reason = stop.reason
             except Exception as error:
                 raise base.CallbackError(
-                    f"callback {describe(callback)}.{hook} failed at step "
-                    f"{self.session.step if step is None else step}: {type(error).__name__}: "
-                    f"{first_line(error)}; {self.kept()}") from error
+                    f"callback {describe(callback)}.{hook} failed at step {step}: "
+                    f"{type(error).__name__}: {first_line(error)}; {self.kept()}") from error
 
     def kept(self) -> str:
         """Where the checkpoints are (the save of this step waited for, if one is under way)."""
-        manager = self.session.manager
+        manager = self.run.manager
         try:
             checkpoint.wait(manager)
         except checkpoint.CheckpointError:
@@ -115,43 +115,44 @@ class UserCallbacks:
                 if saved else "no checkpoint was saved yet")
 
     def start(self) -> None:
-        s = self.session
-        history = list(s.reporter.previous_records)
+        run = self.run
+        history = list(run.reporter.previous_records)
         self.delivered = {key for row in history for key in row_keys(row)}
-        run = base.RunInfo(
-            config=s.config, workdir=s.workdir, start_step=s.start_step,
-            total_steps=s.setup.total_steps, steps_per_epoch=s.setup.steps_per_epoch,
+        info = base.RunInfo(
+            config=run.config, workdir=run.workdir, start_step=run.start_step,
+            total_steps=run.setup.total_steps, steps_per_epoch=run.setup.steps_per_epoch,
             devices=jax.device_count(), process_index=jax.process_index(),
-            process_count=jax.process_count(), checkpoint_dir=s.manager.directory,
+            process_count=jax.process_count(), checkpoint_dir=run.manager.directory,
             history=history)
         self.started = True
-        self.call("on_run_start", run)
+        self.call("on_run_start", info, step=run.start_step)
 
-    def deliver(self, rows: list, saved_step: int | None = None) -> None:
-        """A chunk's new rows (on_rows), the evaluations among them (on_evaluation) and
-        the checkpoint saved at its end (on_checkpoint, once it is on disk)."""
+    def deliver(self, rows: list, step: int, saved_step: int | None = None) -> None:
+        """The new rows up to `step` (on_rows), the evaluations among them (on_evaluation)
+        and the checkpoint saved at `saved_step` (on_checkpoint, once it is on disk)."""
         if not self.callbacks:
             return
         rows = [row for row in rows if not row_keys(row) <= self.delivered]
         self.delivered.update(key for row in rows for key in row_keys(row))
         if rows:
-            self.call("on_rows", [dict(row) for row in rows])
-        for step, metrics in base.evaluation_points(rows):
-            self.call("on_evaluation", step, self.with_epoch_means(step, metrics), step=step)
+            self.call("on_rows", [dict(row) for row in rows], step=step)
+        for at, metrics in base.evaluation_points(rows):
+            self.call("on_evaluation", at, self.with_epoch_means(at, metrics), step=at)
         if saved_step is not None and any(base.overrides(c, "on_checkpoint")
                                           for c in self.callbacks):
-            checkpoint.wait(self.session.manager)  # on disk before anyone is told
-            path = os.path.join(self.session.manager.directory, str(saved_step))
+            checkpoint.wait(self.run.manager)  # on disk before anyone is told
+            path = os.path.join(self.run.manager.directory, str(saved_step))
             self.call("on_checkpoint", saved_step, path, step=saved_step)
 
     def with_epoch_means(self, step: int, metrics: dict) -> dict:
         """An evaluation's metrics with train_loss and train_accuracy the mean over its
         epoch's steps up to `step`: the figures the console's epoch row shows (a metrics
         row's own are the mean since the row before)."""
-        s = self.session
-        records = [row for row in s.reporter.records if row["step"] <= step]
-        records += [row for row in rows_lib.pending_rows(s.window, s.setup) if row["step"] == step]
-        spe = s.setup.steps_per_epoch
+        setup = self.run.setup
+        records = [row for row in self.run.reporter.records if row["step"] <= step]
+        records += [row for row in rows_lib.pending_rows(self.window, setup)
+                    if row["step"] == step]
+        spe = setup.steps_per_epoch
         if "replica" in metrics:  # a replicated run: a list per metric, one per replica
             means = [report.epoch_means(records, spe, r) for r in metrics["replica"]]
             return dict(metrics, **{key: [m.get(key) for m in means]
@@ -159,7 +160,7 @@ class UserCallbacks:
         return dict(metrics, **report.epoch_means(records, spe))
 
     def run_end(self, summary: dict) -> None:
-        self.call("on_run_end", summary)
+        self.call("on_run_end", summary, step=summary["steps"])
 
     def failed(self, error: BaseException) -> None:
         """on_exception(error): the run ends by `error` (a signal's Interrupted, a failure).

@@ -2,7 +2,9 @@
 for each planned chunk: train it, take its rows; if a signal came, save its steps and stop;
 else evaluate and save when due, write the rows, hand them to the user's callbacks, and
 stop where one asked; then the summary (summary.py). Each line of the loop is a function
-below it, in the loop's order, or a chunk's own (chunk.py: train it, check it, its rows)."""
+below it, in the loop's order, or a chunk's own (chunk.py: train it, check it, its rows).
+The loop holds what changes as the run goes (the state, the row window, the last
+evaluation, the times) and hands it to each function that needs it."""
 import signal
 
 import jax
@@ -16,8 +18,9 @@ from jaxtrain.run import profiling, projection as projection_lib, resume
 from jaxtrain.run import rows as rows_lib
 from jaxtrain.run import start as start_lib
 from jaxtrain.run import summary as summary_lib
+from jaxtrain.run.session import Evaluation
 from jaxtrain.runtime import phases, processes, signals
-from jaxtrain.training import checkpoint, chunks, evaluation, train_state
+from jaxtrain.training import checkpoint, chunks, evaluation as evaluation_lib, train_state
 
 PROFILE_DIR = profiling.PROFILE_DIR
 
@@ -57,51 +60,68 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     complete = resume.completed_summary(workdir, config)
     if complete is not None:  # nothing left to train: say so instead of starting anew
         return complete
-    s, given = start_lib.start(config, workdir, model, clock, profile_steps, warm_up,
-                               callbacks, peers)
-    users = callbacks_lib.UserCallbacks(s, given)
-    profiler = profiling.Profiler(workdir, s.traced, s.reporter)
-    projection = projection_lib.Projection(s.setup.total_steps, config.model.name,
-                                           s.reporter.print_line)
+    given = callbacks_lib.from_config(config, callbacks)
+    run, state, window, times, paced = start_lib.start(config, workdir, model, clock,
+                                                       profile_steps, warm_up, peers)
+    del config  # read once: from here on, the run's values (session.Run)
+    users = callbacks_lib.UserCallbacks(run, window, given)
+    profiler = profiling.Profiler(workdir, run.traced, run.reporter)
+    projection = projection_lib.Projection(run.setup.total_steps, run.model_name,
+                                           run.reporter.print_line)
+    step, evaluation = run.start_step, None
     try:
         try:
             with signals.StopRequest() as stop:
                 users.start()
-                stopped_early = stop_if_asked(s, users)
-                if not stopped_early and evaluation_missing(s):  # a signal cut it short
-                    new = evaluate(s, users, s.step, stop, [])
-                    log(s, new)
-                    users.deliver(new)
-                for epoch, first_step, length in [] if stopped_early else s.plan:
-                    chunk = rows_lib.Chunk(epoch, first_step, length, previous=s.step)
+                stopped_early = stop_if_asked(run, state, step, window, times, None, users)
+                if not stopped_early and evaluation_missing(run, step):  # a signal cut it short
+                    evaluation = evaluate(run, state, step, window, times, None, users, stop)
+                    new = rows_lib.with_test_metrics([], step, evaluation.metrics, run.setup,
+                                                     times.train)
+                    log(run, new)
+                    users.deliver(new, step)
+                for epoch, first_step, length in [] if stopped_early else run.plan:
+                    chunk = rows_lib.Chunk(epoch, first_step, length, previous=step)
                     profiler.before(chunk)
-                    chunk_lib.train(s, chunk, stop, projection)
+                    state = chunk_lib.train(run, state, chunk, stop, projection, times)
+                    step = chunk.step
                     profiler.after(chunk)
-                    chunk_lib.check_finite(s, chunk)
-                    new = chunk_lib.take_rows(s, chunk)
+                    if chunk_lib.over_pace(run, chunk, paced):
+                        chunk_lib.pace_from_now(run, state, chunk, times)
+                        paced = True
+                    chunk_lib.check_finite(run, chunk)
+                    new = chunk_lib.take_rows(run, window, chunk, times)
                     if processes.any_process(stop()):  # before any evaluation
-                        stop_for_signal(s, users, new, stop)
-                    if s.evaluates(s.step):
-                        new = evaluate(s, users, s.step, stop, new)
-                    log(s, new)
-                    if saves_at(s, s.step):
-                        save(s)
-                    users.deliver(new, s.step if s.saved_step == s.step else None)
-                    stopped_early = stop_if_asked(s, users)
+                        stop_for_signal(run, state, step, window, times, evaluation, users,
+                                        new, stop)
+                    if run.evaluates(step):
+                        evaluation = evaluate(run, state, step, window, times, evaluation,
+                                              users, stop, new)
+                        new = rows_lib.with_test_metrics(new, step, evaluation.metrics,
+                                                         run.setup, times.train)
+                    log(run, new)
+                    saved = saves_at(run, step, evaluation)
+                    if saved:
+                        save(run, state, step, window, times, evaluation)
+                    users.deliver(new, step, step if saved else None)
+                    stopped_early = stop_if_asked(run, state, step, window, times, evaluation,
+                                                  users)
                     if stopped_early:
                         break
-                best = finish(s, users, stop, restore_best=any(
-                    getattr(callback, "restore_best_weights", False) for callback in given))
+                state, evaluation, best = finish(
+                    run, state, step, window, times, evaluation, users, stop,
+                    restore_best=any(getattr(callback, "restore_best_weights", False)
+                                     for callback in given))
             signals.enter_phase(f"evaluating and writing the reports after the last step; its "
-                                f"checkpoint is saved in {s.manager.directory}/{s.step}",
+                                f"checkpoint is saved in {run.manager.directory}/{step}",
                                 stop_at_once=False)
             if stop():  # a signal while the last checkpoint was written
-                raise signals.Interrupted(stop.signal, s.step, s.manager.directory)
+                raise signals.Interrupted(stop.signal, step, run.manager.directory)
         finally:
             profiler.close()
-            s.close()
+            run.close()
         clock.lap("checkpoint")
-        summary = summary_lib.summarize(s)
+        summary = summary_lib.summarize(run, state, step, evaluation, times)
         summary.update(best)
         if stopped_early:
             summary["stopped_early"] = stopped_early
@@ -110,8 +130,8 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
         clock.lap("write")
         summary["phase_seconds"] = dict(clock.seconds)  # this process's; they add up to the total
         summary["total_seconds"] = clock.total()
-        s.reporter.print_line(clock.breakdown())
-        s.reporter.write_summary(summary)
+        run.reporter.print_line(clock.breakdown())
+        run.reporter.write_summary(summary)
         users.run_end(summary)
     except BaseException as error:
         users.failed(error)  # a tracker ends its run as killed or failed
@@ -134,68 +154,69 @@ def print_now(line: str) -> None:
     print(line, flush=True)
 
 
-def evaluation_missing(s) -> bool:
+def evaluation_missing(run, step: int) -> bool:
     """Whether the step the run resumed at was due an evaluation that a signal cut short
     (its checkpoint saved, its rows without test metrics)."""
-    return s.resumed and s.evaluates(s.step) and not any(
-        row["step"] == s.step and "test_loss" in row for row in s.reporter.records)
+    return run.resumed and run.evaluates(step) and not any(
+        row["step"] == step and "test_loss" in row for row in run.reporter.records)
 
 
-def stop_for_signal(s, users, new: list, stop, phase: str | None = None) -> None:
+def stop_for_signal(run, state, step: int, window, times, evaluation, users, new: list, stop,
+                    phase: str | None = None) -> None:
     """A signal: every step trained is kept. The rows are written, with one for the steps
     since the last (the window keeps them too: the checkpoint carries them, and a resumed
     run's next row covers them again), the state is saved unless this step's checkpoint
     is on disk, the user's callbacks get the rows and the checkpoint, and the run stops
     (Interrupted: exit status 128 + N)."""
-    new = new + stop_rows(s)
-    log(s, new)
+    new = new + stop_rows(run, step, window, times)
+    log(run, new)
     saved = None
-    if s.step not in checkpoint.saved_steps(s.manager.directory):
-        save(s)
-        saved = s.step
-    checkpoint.wait(s.manager)
-    users.deliver(new, saved)
-    raise signals.Interrupted(stop.signal or signal.SIGTERM, s.step, s.manager.directory, phase)
+    if step not in checkpoint.saved_steps(run.manager.directory):
+        save(run, state, step, window, times, evaluation)
+        saved = step
+    checkpoint.wait(run.manager)
+    users.deliver(new, step, saved)
+    raise signals.Interrupted(stop.signal or signal.SIGTERM, step, run.manager.directory, phase)
 
 
-def stop_rows(s) -> list:
-    """Rows at the current step for the window's steps, leaving them in the window."""
-    if not s.window.steps:
+def stop_rows(run, step: int, window, times) -> list:
+    """Rows at `step` for the window's steps, leaving them in the window."""
+    if not window.steps:
         return []
-    window = rows_lib.RowWindow(s.window.after, dict(s.window.per_step))
-    here = rows_lib.Chunk(0, 0, 0, previous=s.step, step=s.step)
-    return rows_lib.train_rows(window, [s.step], s.setup, s.schedules, s.train_seconds, here)
+    copy = rows_lib.RowWindow(window.after, dict(window.per_step))
+    here = rows_lib.Chunk(0, 0, 0, previous=step, step=step)
+    return rows_lib.train_rows(copy, [step], run.setup, run.schedules, times.train, here)
 
 
-def evaluate(s, users, step: int, stop, new: list, counted: bool = True) -> list:
+def evaluate(run, state, step: int, window, times, last, users, stop, new=(),
+             counted: bool = True) -> Evaluation:
     """The test split at `step` (also the EMA's weights, train.ema_decay), batch by batch
-    with a progress bar; returns `new` with its metrics. A signal between two batches
-    (agreed by every process) stops the run there, its trained steps kept
-    (stop_for_signal). `counted`: part of the run's train_seconds."""
+    with a progress bar. A signal between two batches (agreed by every process) stops the
+    run there, its trained steps and the rows `new` kept (stop_for_signal; `last`: the
+    evaluation before). `counted`: part of the run's train_seconds."""
     try:
-        metrics, seconds = timed_evaluation(s, s.state, stop)
-        if s.state.ema is not None:
-            ema, more = timed_evaluation(s, train_state.ema_weights(s.state), stop)
+        metrics, seconds = timed_evaluation(run, state, stop)
+        if state.ema is not None:
+            ema, more = timed_evaluation(run, train_state.ema_weights(state), stop)
             metrics.update({f"{name}_ema": value for name, value in ema.items()})
             seconds += more
-    except evaluation.EvaluationStopped:
-        stop_for_signal(s, users, new, stop, f"evaluating step {step} (evaluated when the "
-                                             "run resumes)")
-    s.test_metrics, s.test_step = metrics, step
+    except evaluation_lib.EvaluationStopped:
+        stop_for_signal(run, state, step, window, times, last, users, list(new), stop,
+                        f"evaluating step {step} (evaluated when the run resumes)")
     if counted:
-        s.eval_seconds += seconds
-        s.train_seconds += seconds
-    s.clock.lap("eval")
-    return rows_lib.with_test_metrics(new, step, metrics, s.setup, s.train_seconds)
+        times.eval += seconds
+        times.train += seconds
+    run.clock.lap("eval")
+    return Evaluation(step, metrics)
 
 
-def timed_evaluation(s, state, stop):
+def timed_evaluation(run, state, stop):
     """(metrics as Python floats, a list per metric for replicas; seconds)."""
     several = jax.process_count() > 1
     should_stop = ((lambda: processes.any_process(bool(stop()))) if several
                    else (lambda: bool(stop())))
-    with s.reporter.evaluation_progress(s.eval_fn.batches) as bar:
-        metrics, seconds = chunks.timed(s.eval_fn, state, *s.eval_arrays, should_stop,
+    with run.reporter.evaluation_progress(run.eval_fn.batches) as bar:
+        metrics, seconds = chunks.timed(run.eval_fn, state, *run.eval_arrays, should_stop,
                                         bar.update)
     return host_metrics(metrics), seconds
 
@@ -206,85 +227,86 @@ def host_metrics(metrics) -> dict:
             for name, value in jax.device_get(metrics).items()}
 
 
-def log(s, new: list) -> None:
+def log(run, new: list) -> None:
     """The rows into metrics.jsonl and TensorBoard; the console's row where they reach an
     epoch's end or the last step."""
     for row in new:
-        s.reporter.log(row)
-    spe = s.setup.steps_per_epoch
-    if any(row["step"] % spe == 0 or row["step"] == s.setup.total_steps for row in new):
-        s.reporter.print_row(rows_lib.console_row(s.reporter.records, spe))
-    s.clock.lap("train")
+        run.reporter.log(row)
+    spe = run.setup.steps_per_epoch
+    if any(row["step"] % spe == 0 or row["step"] == run.setup.total_steps for row in new):
+        run.reporter.print_row(rows_lib.console_row(run.reporter.records, spe))
+    run.clock.lap("train")
 
 
-def saves_at(s, step: int) -> bool:
+def saves_at(run, step: int, evaluation) -> bool:
     """checkpoint.every_steps / every_epochs, the last step, and with checkpoint.best_metric
     every evaluation (Orbax's BestN keeps the best)."""
-    return (step == s.setup.total_steps or (s.save_every > 0 and step % s.save_every == 0)
-            or (bool(s.config.checkpoint.best_metric) and s.test_step == step))
+    return (step == run.setup.total_steps or (run.save_every > 0 and step % run.save_every == 0)
+            or (run.best is not None and evaluation is not None and evaluation.step == step))
 
 
-def save(s) -> None:
+def save(run, state, step: int, window, times, evaluation) -> None:
     """Starts saving a checkpoint of the state (asynchronously; resume.save says what it
     records), with the best metric when one is kept and this step was evaluated."""
-    best = checkpoint.best_policy(s.config.checkpoint)
-    metrics = None
-    if best and s.test_step == s.step:
-        metrics = {best[0]: float(np.mean(s.test_metrics[best[0].removeprefix("test_")]))}
-    resume.save(s, metrics)
-    s.saved_step = s.step
-    s.clock.lap("checkpoint")
+    best = None
+    if run.best and evaluation is not None and evaluation.step == step:
+        name = run.best[0]
+        best = {name: float(np.mean(evaluation.metrics[name.removeprefix("test_")]))}
+    resume.save(run, state, window, times, evaluation, best)
+    run.clock.lap("checkpoint")
 
 
-def stop_if_asked(s, users) -> dict | None:
+def stop_if_asked(run, state, step: int, window, times, evaluation, users) -> dict | None:
     """A callback's StopTraining (on any process; every process stops at this step): a
     row for the steps since the last, a checkpoint, one line. Returns stopped_early."""
     asking = processes.first_process(users.stop_reason is not None)
     if asking is None:
         return None
     reason = users.stop_reason or f"a callback of process {asking} asked to stop"
-    last = stop_rows(s)
-    log(s, last)
-    users.deliver(last)
-    if s.step not in checkpoint.saved_steps(s.manager.directory):
-        save(s)
-    checkpoint.wait(s.manager)
-    s.reporter.print_line(f"stopped early at step {s.step}: {reason}")
-    return {"step": s.step, "reason": reason}
+    last = stop_rows(run, step, window, times)
+    log(run, last)
+    users.deliver(last, step)
+    if step not in checkpoint.saved_steps(run.manager.directory):
+        save(run, state, step, window, times, evaluation)
+    checkpoint.wait(run.manager)
+    run.reporter.print_line(f"stopped early at step {step}: {reason}")
+    return {"step": step, "reason": reason}
 
 
-def finish(s, users, stop, restore_best: bool) -> dict:
+def finish(run, state, step: int, window, times, evaluation, users, stop, restore_best: bool):
     """After the last chunk: the saves on disk, the test figures of the last step (a
     finished run resumed, or one stopped early between evaluations: not part of
     training's time), and the best checkpoint (restored, for a callback's
-    restore_best_weights). Returns the summary's best_checkpoint entries."""
-    checkpoint.wait(s.manager)
-    s.clock.lap("checkpoint")
-    if s.test_step != s.step:
-        evaluate(s, users, s.step, stop, [], counted=False)
+    restore_best_weights). Returns (the state, its evaluation, the summary's
+    best_checkpoint entries)."""
+    checkpoint.wait(run.manager)
+    run.clock.lap("checkpoint")
+    if evaluation is None or evaluation.step != step:
+        evaluation = evaluate(run, state, step, window, times, evaluation, users, stop,
+                              counted=False)
     found = {}
-    best = checkpoint.best_policy(s.config.checkpoint)
-    if best:  # over every checkpoint kept, also those of the run before a resume
-        step = s.manager.best_step()
-        values = [row[best[0]] for row in s.reporter.records
-                  if row["step"] == step and row.get(best[0]) is not None]
-        if step is not None and values:
-            found["best_checkpoint"] = {"step": step, best[0]: float(np.mean(values)),
-                                        "path": f"{s.manager.directory}/{step}"}
+    if run.best:  # over every checkpoint kept, also those of the run before a resume
+        name = run.best[0]
+        best = run.manager.best_step()
+        values = [row[name] for row in run.reporter.records
+                  if row["step"] == best and row.get(name) is not None]
+        if best is not None and values:
+            found["best_checkpoint"] = {"step": best, name: float(np.mean(values)),
+                                        "path": f"{run.manager.directory}/{best}"}
             if restore_best:
-                restore(s, step)
-                found["restored_best_weights"] = {"step": step}
-    s.clock.lap("checkpoint")
-    return found
+                state, evaluation = restore(run, state, best)
+                found["restored_best_weights"] = {"step": best}
+    run.clock.lap("checkpoint")
+    return state, evaluation, found
 
 
-def restore(s, step: int) -> None:
-    """The state and test figures become those of checkpoint `step`."""
-    s.state = checkpoint.restore(s.manager, s.state, s.data_key, step)[0]
-    at_step = sorted((row for row in s.reporter.records
+def restore(run, state, step: int):
+    """The state of checkpoint `step` and its test figures (from the rows)."""
+    state = checkpoint.restore(run.manager, state, run.data_key, step)[0]
+    at_step = sorted((row for row in run.reporter.records
                       if row["step"] == step and row.get("test_loss") is not None),
                      key=lambda row: row.get("replica", 0))
     names = [key for key in at_step[0] if key.startswith("test_")]
-    s.test_metrics = {key.removeprefix("test_"): at_step[0][key] if len(at_step) == 1
-                      else [row[key] for row in at_step] for key in names}
-    s.test_step = step
+    metrics = {key.removeprefix("test_"): at_step[0][key] if len(at_step) == 1
+               else [row[key] for row in at_step] for key in names}
+    return state, Evaluation(step, metrics)

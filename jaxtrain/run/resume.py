@@ -46,24 +46,23 @@ def reached_its_end(summary: dict) -> bool:
     return summary.get("steps") == summary.get("planned_steps", summary.get("steps"))
 
 
-def save(session, metrics=None) -> None:
-    """Starts saving a checkpoint of the session's state, with the metrics of the steps
-    since the last row (rows.RowWindow) and the stream's position when streaming. A
-    replicated run's records its replicas and their last test accuracies (what
-    jaxtrain.restore picks the best replica by). `metrics`: what checkpoint.best ranks
-    the step by."""
-    run = session.setup
-    meta = checkpoint_meta(run, session.config.seed, session.state, session.train_seconds,
-                           session.eval_seconds)
-    meta["rows"] = session.window.to_json()  # the steps since the last metrics row
-    if run.runs:
-        meta["replicas"] = [one._asdict() for one in run.runs]
-        if session.test_metrics is not None:
-            meta["replica_test_accuracy"] = session.test_metrics["accuracy"]
+def save(run, state, window, times, evaluation, best=None) -> None:
+    """Starts saving a checkpoint of `state`, with the metrics of the steps since the last
+    row (`window`, rows.RowWindow), the times so far and the stream's position when
+    streaming. A replicated run's records its replicas and their test accuracies at the
+    last `evaluation` (what jaxtrain.restore picks the best replica by). `best`: what
+    checkpoint.best ranks the step by."""
+    setup = run.setup
+    meta = checkpoint_meta(setup, run.seed, state, times.train, times.eval)
+    meta["rows"] = window.to_json()  # the steps since the last metrics row
+    if setup.runs:
+        meta["replicas"] = [one._asdict() for one in setup.runs]
+        if evaluation is not None:
+            meta["replica_test_accuracy"] = evaluation.metrics["accuracy"]
     input_state = None
-    if session.stream is not None:
-        meta["input"], input_state = session.stream.checkpoint()
-    checkpoint.save(session.manager, session.state, session.data_key, meta, input_state, metrics)
+    if run.stream is not None:
+        meta["input"], input_state = run.stream.checkpoint()
+    checkpoint.save(run.manager, state, run.data_key, meta, input_state, best)
 
 
 def checkpoint_meta(run: prepare.Setup, seed: int, state, train_seconds: float,

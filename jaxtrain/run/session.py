@@ -1,24 +1,23 @@
-"""What one run holds between its start (start.py) and its summary (summary.py)."""
+"""What a run's start (start.py) made for its loop (loop.py), fixed from the first chunk to
+the summary, and the config's values the loop needs, read once there. What changes as the
+run goes (the state, the row window, the last evaluation, the times) the loop holds itself
+and hands to each function that needs it."""
 import dataclasses
 from typing import Any, Callable
 
 import jax
-import ml_collections
 
-from jaxtrain.run import plan, rows
+from jaxtrain.run import plan
 from jaxtrain.runtime import phases, report
-from jaxtrain.training import chunks, prepare, train_state
+from jaxtrain.training import chunks, prepare
 
 
-@dataclasses.dataclass
-class Session:
-    """One run between its start and its summary: what start.start made, and what the
-    loop (loop.py) changes as it goes, each field named below."""
-    config: ml_collections.ConfigDict  # the checked config, with absolute paths
+@dataclasses.dataclass(frozen=True)
+class Run:
+    config: Any  # the checked config (absolute paths): for summary.json and RunInfo only
     workdir: str
     setup: prepare.Setup  # the data, model and initial state the config gave
-    manager: Any  # the run's orbax CheckpointManager
-    state: train_state.TrainState  # the newest state: after the last chunk run
+    manager: Any  # the run's Orbax CheckpointManager
     data_key: Any  # the data order's and augmentation's PRNG key (resume needs it)
     start_step: int  # the step this process started at (0, or the checkpoint's)
     resumed: bool  # started from a checkpoint
@@ -27,29 +26,22 @@ class Session:
     stream: Any  # data.placement='stream': the open batches.Stream; else None
     run_chunk: Callable | None  # the compiled chunks (chunks.compile_chunks); None: none left
     pace: chunks.Pace | None  # train.chunk_seconds: how long one compiled call may run
-    paced: bool  # the chunks run in calls of the pace's length (else whole; see chunks.py)
     eval_fn: Callable  # the compiled test-set evaluation
     eval_arrays: tuple  # the test split on the devices, batched for eval_fn
     clock: phases.Clock  # where the process's time goes
     reporter: report.Reporter  # console, metrics.jsonl, TensorBoard, summary.json
-    window: rows.RowWindow  # the steps since the last training row
     cache_dir: str | None  # the persistent compilation cache; None: off
-    compile_seconds: float
-    save_every: int  # steps between checkpoints (0: at the end only); plan.save_interval
-    on_grid: Callable[[int], bool]  # whether a step ends a training row; rows.row_grid
     schedules: list  # each replica's learning-rate schedule (one for a single run)
-    train_seconds: float = 0.0  # training and evaluation, over every resume
-    eval_seconds: float = 0.0
-    # Changed by the loop as it goes:
-    step: int = -1  # the state's step (start_step until a chunk has run)
-    test_metrics: dict | None = None  # the last evaluation's
-    test_step: int | None = None  # the step it evaluated
-    saved_step: int | None = None  # the step of the newest checkpoint this process saved
-    wait_seconds: float = 0.0  # of chunk_seconds, waiting for a stream's batches
-    chunk_seconds: float = 0.0  # in compiled chunks, this process
-
-    def __post_init__(self):
-        self.step = self.start_step
+    on_grid: Callable[[int], bool]  # whether a step ends a training row; rows.row_grid
+    # The config's values, read once:
+    save_every: int  # steps between checkpoints (0: at the end only); plan.save_interval
+    eval_every: tuple  # (eval.every_epochs, eval.every_steps)
+    best: tuple | None  # checkpoint.best_metric's (metric, mode); checkpoint.best_policy
+    stop_at_nonfinite: bool  # train.nonfinite='stop'
+    seed: int
+    batch_size: int
+    precision: str  # train.precision resolved: float32 or bfloat16
+    model_name: str
 
     @property
     def single_process(self) -> bool:
@@ -58,10 +50,28 @@ class Session:
 
     def evaluates(self, step: int) -> bool:
         return plan.evaluates_after(step, self.setup.steps_per_epoch, self.setup.total_steps,
-                                    self.config.eval.every_epochs, self.config.eval.every_steps)
+                                    *self.eval_every)
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
         self.reporter.close()
         self.manager.close()
+
+
+@dataclasses.dataclass
+class Times:
+    """Where the run's seconds went: `train` (training and evaluation) and `eval` over every
+    resume (a checkpoint carries them), the others this process's."""
+    train: float = 0.0
+    eval: float = 0.0
+    compile: float = 0.0
+    chunks: float = 0.0  # in compiled chunks
+    wait: float = 0.0  # of `chunks`, waiting for a stream's batches
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The test split's metrics at `step` (Python floats; a list per metric for replicas)."""
+    step: int
+    metrics: dict

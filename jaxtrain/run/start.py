@@ -1,7 +1,7 @@
 """A run's start: everything before its first chunk. The data and model built
 (training/prepare.py), the checkpoint restored, the input opened, the programs compiled
 (and, for jaxtrain.compare, run once untimed), the console's header printed; the
-Session the loop goes on with (session.py) is what it returns."""
+session.Run the loop goes on with is what it returns."""
 import dataclasses
 import os
 
@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from jaxtrain import models
 from jaxtrain.config import checks
-from jaxtrain.run import callbacks as callbacks_lib
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import resume
 from jaxtrain.run import rows as rows_lib
@@ -21,52 +20,21 @@ from jaxtrain.training import (checkpoint, chunks, inputs, model_state, placemen
                                train_state)
 
 
-def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool, given=(),
+def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
           peers=None):
     """Everything before the first chunk: the data and model built, the checkpoint
     restored, the programs compiled, the console's header printed.
-    Returns (Session, the user's callbacks)."""
+    Returns (session.Run, the initial state, the row window (rows.RowWindow), the times
+    so far (session.Times), whether chunks run paced from the start)."""
     main_process = processes.is_main_process()
-    user_callbacks = callbacks_lib.from_config(config, given)
     cache_dir = xla_cache.enable(config.train.compilation_cache)
     mesh = placement.create_mesh(config)
     placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
-    # Resuming: the initial state's shapes only (no init compiled or run for nothing);
-    # the checkpoint fills them.
-    resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
-    run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
-    note = precision_note(config.train.precision, config.model.name)
-    if note and main_process:
-        print(note, flush=True)
-    streaming = run.placement == "stream"
-    if config.checkpoint.resume_step and resuming:
-        if main_process:
-            moved = checkpoint.set_aside_newer(workdir, config.checkpoint.resume_step)
-            if moved:
-                print(f"checkpoint.resume_step={config.checkpoint.resume_step}: moved the "
-                      f"newer checkpoints (steps {', '.join(map(str, moved))}) to "
-                      f"{os.path.join(workdir, checkpoint.SET_ASIDE_DIR)}; resuming from step "
-                      f"{config.checkpoint.resume_step}", flush=True)
-        processes.any_process(False)  # every process waits until they are moved
-    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
-                                        stream=streaming,
-                                        best=checkpoint.best_policy(config.checkpoint))
-    if peers is not None:  # named if a peer process is lost
-        peers.checkpoints = str(manager.directory)
-    supervise.tell(workdir, str(manager.directory))  # and by the parent, if it watches
-    target = (checkpoint.restore_target(run.state, placement.state_sharding(run)) if resuming
-              else run.state)
-    restored = checkpoint.restore(manager, target, run.data_key)
-    if restored is None and resuming:  # step folders that Orbax does not list: none whole
-        run = prepare.setup(config, mesh, model=model)
-    state, data_key, meta = restored if restored is not None else (run.state, run.data_key, {})
-    if meta.get("init_from"):  # what the first start loaded (a resumed run reads no weights)
-        run = dataclasses.replace(run, init_from=meta["init_from"])
+    run, manager, state, data_key, meta = restore_or_init(config, workdir, model, clock, mesh,
+                                                          peers)
+    resumed, meta = meta is not None, meta or {}
     start_step = train_state.current_step(state)
-    clock.lap("restore", None if restored is None else (
-        f"resumed from checkpoint step {start_step} ({manager.directory}/{start_step}) "
-        "in {seconds:.1f} s"))
     if main_process:
         report.write_json_atomically(os.path.join(workdir, checkpoint.CONFIG_FILE),
                                      config.to_dict())
@@ -96,11 +64,11 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     compile_seconds = clock.lap("compile", f"compiled the {'training and ' if plan else ''}"
                                 "evaluation programs in {seconds:.1f} s"
                                 + cache_note(cache_dir, cache_before))
-    if warm_up and not streaming:
+    if warm_up and stream is None:
         run_programs_once(run, config.train.loop, run_chunk, eval_fn, state, data_key, plan,
                           eval_arrays, cuts, paced)
         clock.lap("warmup", "ran every compiled program once, untimed, in {seconds:.1f} s")
-    if streaming and start_step < run.total_steps:
+    if stream is not None and start_step < run.total_steps:
         stream.fill()  # the workers started while XLA compiled; their first batches now
     clock.lap("load")
     signals.enter_phase("training", stop_at_once=False)  # StopRequest: a checkpoint, then stop
@@ -110,13 +78,83 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     # was kept start one at their step.
     window = (rows_lib.RowWindow.from_json(meta["rows"]) if "rows" in meta
               else rows_lib.RowWindow(start_step))
+    reporter = open_reporter(config, workdir, run, state, start_step, window, stream,
+                             compile_seconds)
+    clock.lap("write")
+    started = session_lib.Run(
+        config=config, workdir=workdir, setup=run, manager=manager, data_key=data_key,
+        start_step=start_step, resumed=resumed, plan=plan, traced=traced,
+        stream=stream, run_chunk=run_chunk, pace=pace, eval_fn=eval_fn,
+        eval_arrays=eval_arrays, clock=clock, reporter=reporter, cache_dir=cache_dir,
+        schedules=rows_lib.run_schedules(config, run),
+        on_grid=rows_lib.row_grid(config.train.log_every_steps, run.steps_per_epoch,
+                                  run.total_steps),
+        save_every=save_every, eval_every=(config.eval.every_epochs, config.eval.every_steps),
+        best=checkpoint.best_policy(config.checkpoint),
+        stop_at_nonfinite=config.train.nonfinite == "stop", seed=config.seed,
+        batch_size=config.train.batch_size,
+        precision=checks.resolve_precision(config.train.precision),
+        model_name=config.model.name)
+    times = session_lib.Times(train=meta.get("train_seconds", 0.0),
+                              eval=meta.get("eval_seconds", 0.0), compile=compile_seconds)
+    return started, state, window, times, paced or kind_of_loop(config, run) != "scan"
+
+
+def restore_or_init(config, workdir: str, model, clock, mesh, peers):
+    """The data and model built (prepare.setup), and the newest checkpoint in workdir
+    restored, else the initial state. Returns (the Setup, the checkpoint manager, the
+    state, the data key, the checkpoint's meta (None when starting anew))."""
+    main_process = processes.is_main_process()
+    # Resuming: the initial state's shapes only (no init compiled or run for nothing);
+    # the checkpoint fills them.
+    resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
+    run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
+    note = precision_note(config.train.precision, config.model.name)
+    if note and main_process:
+        print(note, flush=True)
+    if config.checkpoint.resume_step and resuming:
+        if main_process:
+            moved = checkpoint.set_aside_newer(workdir, config.checkpoint.resume_step)
+            if moved:
+                print(f"checkpoint.resume_step={config.checkpoint.resume_step}: moved the "
+                      f"newer checkpoints (steps {', '.join(map(str, moved))}) to "
+                      f"{os.path.join(workdir, checkpoint.SET_ASIDE_DIR)}; resuming from step "
+                      f"{config.checkpoint.resume_step}", flush=True)
+        processes.any_process(False)  # every process waits until they are moved
+    manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), config.checkpoint.keep,
+                                        stream=run.placement == "stream",
+                                        best=checkpoint.best_policy(config.checkpoint))
+    if peers is not None:  # named if a peer process is lost
+        peers.checkpoints = str(manager.directory)
+    supervise.tell(workdir, str(manager.directory))  # and by the parent, if it watches
+    target = (checkpoint.restore_target(run.state, placement.state_sharding(run)) if resuming
+              else run.state)
+    restored = checkpoint.restore(manager, target, run.data_key)
+    if restored is None:
+        if resuming:  # step folders that Orbax does not list: none whole
+            run = prepare.setup(config, mesh, model=model)
+        clock.lap("restore")
+        return run, manager, run.state, run.data_key, None
+    state, data_key, meta = restored
+    if meta.get("init_from"):  # what the first start loaded (a resumed run reads no weights)
+        run = dataclasses.replace(run, init_from=meta["init_from"])
+    step = train_state.current_step(state)
+    clock.lap("restore", f"resumed from checkpoint step {step} ({manager.directory}/{step}) "
+              "in {seconds:.1f} s")
+    return run, manager, state, data_key, meta
+
+
+def open_reporter(config, workdir: str, run: prepare.Setup, state, start_step: int, window,
+                  stream, compile_seconds: float) -> report.Reporter:
+    """The console, metrics.jsonl and TensorBoard, opened at start_step, and the console's
+    header: where the data is, the model, the devices, the compile time."""
     reporter = report.Reporter(workdir, total_steps=run.total_steps, start_step=start_step,
-                               write=main_process, spread=bool(run.runs),
+                               write=processes.is_main_process(), spread=bool(run.runs),
                                ema=config.train.get("ema_decay") is not None,
                                rows_through=window.after)
-    where = "host, streamed" if streaming else "devices"
+    where = "host, streamed" if stream is not None else "devices"
     reporter.print_line(f"data on the {where}: {run.placement_reason}"
-                        + (f"; {stream.workers} Grain workers" if streaming and stream.workers
+                        + (f"; {stream.workers} Grain workers" if stream and stream.workers
                            else ""))
     replica_info = {"replicas": len(run.runs)} if run.runs else {}
     reporter.print_header(model=config.model.name, **replica_info,
@@ -124,19 +162,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
                           dataset=run.dataset.origin, device=jax.devices()[0].device_kind,
                           devices=jax.device_count(), processes=jax.process_count(),
                           steps=run.total_steps, compile_seconds=compile_seconds)
-    clock.lap("write")
-    session = session_lib.Session(
-        config=config, workdir=workdir, setup=run, manager=manager, state=state,
-        data_key=data_key, start_step=start_step, resumed=restored is not None, plan=plan,
-        traced=traced, stream=stream, run_chunk=run_chunk, pace=pace,
-        paced=paced or kind_of_loop(config, run) != "scan", eval_fn=eval_fn,
-        eval_arrays=eval_arrays, clock=clock, reporter=reporter, window=window,
-        cache_dir=cache_dir, compile_seconds=compile_seconds, save_every=save_every,
-        on_grid=rows_lib.row_grid(config.train.log_every_steps, run.steps_per_epoch,
-                                  run.total_steps),
-        schedules=rows_lib.run_schedules(config, run),
-        train_seconds=meta.get("train_seconds", 0.0), eval_seconds=meta.get("eval_seconds", 0.0))
-    return session, user_callbacks
+    return reporter
 
 
 def run_programs_once(run: prepare.Setup, loop: str, run_chunk, eval_fn, state, data_key, plan,

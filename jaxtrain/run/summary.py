@@ -1,22 +1,20 @@
-"""summary.json's figures, from the Session a run ends with."""
+"""summary.json's figures, from what a run ends with."""
 import flax
 import jax
 
-from jaxtrain.config import checks
 from jaxtrain.perf import memory
-from jaxtrain.run import session as session_lib
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes, report, xla_flags
 from jaxtrain.training import checkpoint, model_state, placement, replicas
 
 
-def summarize(session: session_lib.Session) -> dict:
-    """summary.json's figures: the test metrics (a replicated run's means, and each
-    replica's results), times, throughput, the run's shape and versions."""
-    run, state, config = session.setup, session.state, session.config
-    test_metrics, records = session.test_metrics, session.reporter.records
+def summarize(started, state, step: int, evaluation, times) -> dict:
+    """summary.json's figures: the test metrics of the last `evaluation` (a replicated
+    run's means, and each replica's results), times, throughput, the run's shape and
+    versions. `started`: the session.Run; `state`: the run's at `step`."""
+    run, test_metrics, records = started.setup, evaluation.metrics, started.reporter.records
     if processes.is_main_process():
-        session.reporter.plot()
+        started.reporter.plot()
     replica_results = None
     if run.runs:  # every replica's results; the top-level figures are their means
         # Hashed from one host copy: indexing the replicas on their devices would
@@ -36,10 +34,10 @@ def summarize(session: session_lib.Session) -> dict:
                   if run.runs else
                   report.epoch_means(records, run.steps_per_epoch).get("train_loss"))
     copies = len(run.runs) if run.runs else 1
-    train_seconds, eval_seconds = session.train_seconds, session.eval_seconds
+    train_seconds, eval_seconds = times.train, times.eval
     # What was trained, over every resume: the state's steps, which an early stop or a
     # signal leaves short of the plan (whose length is planned_steps).
-    images = copies * session.step * config.train.batch_size  # all replicas'
+    images = copies * step * started.batch_size  # all replicas'
 
     summary = {
         "test_accuracy": test_metrics["accuracy"],
@@ -49,20 +47,19 @@ def summarize(session: session_lib.Session) -> dict:
         "train_seconds": train_seconds,  # training and evaluation, over every resume
         "train_only_seconds": train_seconds - eval_seconds,
         "eval_seconds": eval_seconds,
-        "compile_seconds": session.compile_seconds,
-        "compilation_cache": session.cache_dir,
+        "compile_seconds": times.compile,
+        "compilation_cache": started.cache_dir,
         "xla_flags": xla_flags.in_effect(),
         "data_placement": run.placement,
-        "input_wait_fraction": (session.wait_seconds / session.chunk_seconds
-                                if session.chunk_seconds else 0.0),
+        "input_wait_fraction": times.wait / times.chunks if times.chunks else 0.0,
         "images": images,
         "images_per_second": images / max(train_seconds - eval_seconds, 1e-9),
-        "epochs": session.step / run.steps_per_epoch,
-        "steps": session.step,
+        "epochs": step / run.steps_per_epoch,
+        "steps": step,
         "planned_steps": run.total_steps,
-        "precision": checks.resolve_precision(config.train.precision),
-        "resumed_from_step": session.start_step if session.resumed else None,
-        "batch_size": config.train.batch_size,
+        "precision": started.precision,
+        "resumed_from_step": started.start_step if started.resumed else None,
+        "batch_size": started.batch_size,
         "param_count": model_state.param_count(state.params, run.runs),
         "device_kind": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
@@ -73,10 +70,10 @@ def summarize(session: session_lib.Session) -> dict:
         "init_from": run.init_from,  # what model.init_from loaded and re-initialised
         # XLA's memory analysis of the training program per device (memory.py); with the
         # layout's state bytes on the most loaded device
-        "step_memory": memory.programs_memory(getattr(session.run_chunk, "programs", ())),
+        "step_memory": memory.programs_memory(getattr(started.run_chunk, "programs", ())),
         "state_bytes_per_device": max(mesh_lib.bytes_per_device(state).values(), default=0),
         "fsdp": mesh_lib.fsdp_size(run.mesh),
-        "config": config.to_dict(),
+        "config": started.config.to_dict(),
     }
     for name, value in test_metrics.items():  # train.ema_decay: test_accuracy_ema, ...
         summary.setdefault(f"test_{name}", value)
