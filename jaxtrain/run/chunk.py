@@ -13,7 +13,7 @@ def train(run, state, chunk, stop, projection, times):
     chunk's step, metrics and seconds. The progress bar moves after every compiled call;
     in a single-process run a signal stops the chunk after the call in hand
     (train.chunk_seconds keeps a scanned call that short; a call per step stops after
-    the step)."""
+    the step). `projection` times the first steps as they run."""
     waited = run.stream.wait_seconds if run.stream is not None else 0.0
 
     def progress(done, metrics) -> bool:
@@ -28,7 +28,6 @@ def train(run, state, chunk, stop, projection, times):
     times.train += chunk.seconds
     times.chunks += chunk.seconds
     times.wait += chunk.wait
-    projection.after(chunk)
     return state
 
 

@@ -85,6 +85,7 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
                     profiler.before(chunk)
                     state = chunk_lib.train(run, state, chunk, stop, projection, times)
                     step = chunk.step
+                    projection.after(chunk)
                     profiler.after(chunk)
                     if chunk_lib.over_pace(run, chunk, paced):
                         chunk_lib.pace_from_now(run, state, chunk, times)
