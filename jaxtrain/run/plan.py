@@ -35,11 +35,11 @@ def plan_chunks(total_steps: int, steps_per_epoch: int, every_steps=(), start_st
     return plan
 
 
-def save_interval(config, steps_per_epoch: int) -> int:
+def save_interval(checkpoint_config, steps_per_epoch: int) -> int:
     """checkpoint.every_steps, else checkpoint.every_epochs in steps; 0 = only at the end."""
-    if config.checkpoint.every_steps > 0:
-        return config.checkpoint.every_steps
-    return max(config.checkpoint.every_epochs, 0) * steps_per_epoch
+    if checkpoint_config.every_steps > 0:
+        return checkpoint_config.every_steps
+    return max(checkpoint_config.every_epochs, 0) * steps_per_epoch
 
 
 def evaluates_after(step: int, steps_per_epoch: int, total_steps: int, every_epochs: int,

@@ -43,7 +43,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
                         f"{manager.directory})")
 
     eval_arrays = placement.put_eval_data(config, run)
-    save_every = plan_lib.save_interval(config, run.steps_per_epoch)
+    save_every = plan_lib.save_interval(config.checkpoint, run.steps_per_epoch)
     traced = plan_lib.profile_window(start_step, run.total_steps, profile_steps)
     if profile_steps and traced is None and main_process:
         print(f"--profile={profile_steps}: no step left to trace after the warm-up step "
