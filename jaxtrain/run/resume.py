@@ -11,22 +11,13 @@ from jaxtrain.training import checkpoint, prepare, train_state
 
 
 def completed_summary(workdir: str, config) -> dict | None:
-    """summary.json of a run in `workdir` that already reached the end `config` asks for
-    (its newest checkpoint is the summary's last step), after one line saying so; None
-    when there is anything left to train. Nothing is loaded, compiled or evaluated."""
-    path = os.path.join(workdir, report.SUMMARY_FILE)
-    steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
-    if not steps or not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None  # unreadable: the run writes it anew
+    """summary.json of a run in `workdir` that already reached the end `config` asks for,
+    after one line saying so; None when there is anything left to train. Nothing is
+    loaded, compiled or evaluated."""
+    summary = finished_summary(workdir)
     train = config.train
-    asked = (summary.get("steps") == train.num_steps if train.num_steps > 0
-             else summary.get("epochs") == train.num_epochs)
-    if max(steps) != summary.get("steps") or not asked or not reached_its_end(summary):
+    if summary is None or not (summary["steps"] == train.num_steps if train.num_steps > 0
+                               else summary.get("epochs") == train.num_epochs):
         return None
     if saved_recipe_changes(workdir, config):  # allowed to change: the checkpoint is loaded
         return None
@@ -35,15 +26,24 @@ def completed_summary(workdir: str, config) -> dict | None:
         print(f"the run in {workdir} is complete: step {summary['steps']} of "
               f"{summary['steps']}, test accuracy "
               + (f"{accuracy:.2%}" if isinstance(accuracy, (int, float)) else "n/a")
-              + f"; its summary is {path} (--mode=eval evaluates it again; another "
-              "--workdir starts a new run)", flush=True)
+              + f"; its summary is {os.path.join(workdir, report.SUMMARY_FILE)} (--mode=eval "
+              "evaluates it again; another --workdir starts a new run)", flush=True)
     return summary
 
 
-def reached_its_end(summary: dict) -> bool:
-    """Whether a summary.json is of a run that trained every step it planned (not one
-    stopped early); summaries from before planned_steps was kept count as such."""
-    return summary.get("steps") == summary.get("planned_steps", summary.get("steps"))
+def finished_summary(workdir: str) -> dict | None:
+    """summary.json of a run in `workdir` that trained every step it planned (not one
+    stopped early) and whose newest checkpoint is its last step; None for any other (or
+    an unreadable summary: the run writes it anew). Summaries from before planned_steps
+    was kept count as planned."""
+    steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    try:
+        with open(os.path.join(workdir, report.SUMMARY_FILE)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    finished = summary.get("steps") == summary.get("planned_steps", summary.get("steps"))
+    return summary if steps and max(steps) == summary.get("steps") and finished else None
 
 
 def save(run, state, window, times, evaluation, best=None) -> None:
@@ -111,17 +111,10 @@ def extension(workdir: str, config, changes: list) -> str | None:
     trains on from where it stopped; None for any other change."""
     if any(key not in LENGTH_KEYS for key, _, _ in changes):
         return None
-    try:
-        with open(os.path.join(workdir, report.SUMMARY_FILE)) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None
-    steps = checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir))
+    summary = finished_summary(workdir)
     train = config.train
-    longer = (train.num_steps > summary["steps"] if train.num_steps > 0
-              else train.num_epochs > summary.get("epochs", float("inf")))
-    if not steps or max(steps) != summary.get("steps") or not reached_its_end(summary) \
-            or not longer:
+    if summary is None or not (train.num_steps > summary["steps"] if train.num_steps > 0
+                               else train.num_epochs > summary.get("epochs", float("inf"))):
         return None
     length = (f"{train.num_steps} steps" if train.num_steps > 0
               else f"{train.num_epochs} epochs")
