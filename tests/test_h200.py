@@ -4,7 +4,8 @@ one GPU run a loan allows does not fail on something a CPU could have caught.
 CI runs one item of each command the script uses (bench --inspect --profile, main.py,
 compare with torch.compile switched on, as a GPU has it), the speedrun benchmark stopped
 at its cap, and part 2's airbench item against benchmarks/airbench_standin.py (airbench
-needs CUDA). The other items' commands are the same commands with flags the test
+needs CUDA); the two capped items run in the background while the dry run's items use the
+CPU, since they mostly wait out their caps. The other items' commands are the same commands with flags the test
 modules of bench, speedrun, compare and the levers run. Before a GPU loan, run every
 item by hand:
     python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +39,46 @@ def load_script():
 
 
 @pytest.fixture(scope="module")
-def dry_run(cifar_batches_dir, tmp_path_factory):
+def capped_speedrun(cifar_batches_dir, tmp_path_factory):
+    """The speedrun item asked for 100,000 runs under a 60 s cap, started in the background
+    and frozen once its first run is written (see test_an_item_stopped_at_its_cap...): its
+    cap's wait overlaps the dry run's items instead of idling a test worker for a minute."""
+    out = tmp_path_factory.mktemp("h200_capped")
+    scratch = out / "scratch"  # h200.py's temporary folder goes in here (TMPDIR)
+    scratch.mkdir()
+    script = subprocess.Popen([sys.executable, str(SCRIPT), "--dry",
+                               f"--data_dir={cifar_batches_dir}", f"--out={out}",
+                               "--wheels=/nonexistent", "--only=speedrun,seed_64_replicas",
+                               "--runs=100000", "--caps=speedrun=60,seed_64_replicas=1"],
+                              cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
+    freezer = threading.Thread(target=freeze_once_a_run_is_written, daemon=True, args=(
+        script, str(scratch / "jaxtrain-h200-*" / "work" / "speedrun.json")))
+    freezer.start()
+    yield out, script, freezer
+    if script.poll() is None:
+        script.kill()
+        script.communicate()
+
+
+@pytest.fixture(scope="module")
+def airbench_part2(cifar_batches_dir, tmp_path_factory):
+    """Part 2, dry, in the background: its stand-in mostly sleeps out its 13 s, which the
+    dry run's items use."""
+    out = tmp_path_factory.mktemp("h200_part2")
+    script = subprocess.Popen([sys.executable, str(SCRIPT), "--dry", "--part=2",
+                               f"--data_dir={cifar_batches_dir}", f"--out={out}",
+                               "--caps=airbench94_muon=18"], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(os.environ, AIRBENCH_STANDIN_EPOCH_SECONDS="0.02"))
+    yield out, script
+    if script.poll() is None:
+        script.kill()
+        script.communicate()
+
+
+@pytest.fixture(scope="module")
+def dry_run(cifar_batches_dir, tmp_path_factory, capped_speedrun, airbench_part2):
     out = tmp_path_factory.mktemp("h200")
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry",
                              f"--data_dir={cifar_batches_dir}", f"--out={out}",
@@ -132,24 +173,16 @@ def freeze_once_a_run_is_written(script: subprocess.Popen, partial: str) -> None
 
 
 @pytest.mark.slow
-def test_an_item_stopped_at_its_cap_reports_its_finished_runs(cifar_batches_dir, tmp_path):
+def test_an_item_stopped_at_its_cap_reports_its_finished_runs(capped_speedrun):
     """The speedrun benchmark writes its JSON after compiling and after every run: stopped
     at its cap part-way through 100,000 runs, it has left its compile time and the runs it
     finished in h200.json, and the next item still runs. The cap leaves room for the start,
-    the compile and one run with three workers on two cores (a compile there has taken up
-    to 30 s, a run up to 3 s). Once its first run is written the item is frozen, as a hung
-    item would be, so that the cap's wait costs no CPU."""
-    scratch = tmp_path / "scratch"  # h200.py's temporary folder goes in here (TMPDIR)
-    scratch.mkdir()
-    script = subprocess.Popen([sys.executable, str(SCRIPT), "--dry",
-                               f"--data_dir={cifar_batches_dir}", f"--out={tmp_path}",
-                               "--wheels=/nonexistent", "--only=speedrun,seed_64_replicas",
-                               "--runs=100000", "--caps=speedrun=60,seed_64_replicas=1"],
-                              cwd=REPO, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
-    freeze_once_a_run_is_written(script, str(scratch / "jaxtrain-h200-*" / "work" /
-                                             "speedrun.json"))
+    the compile and one run beside a test worker's other items on two cores (a compile
+    there has taken up to 30 s, a run up to 3 s). Once its first run is written the item
+    is frozen, as a hung item would be, so that the cap's wait costs no CPU."""
+    tmp_path, script, freezer = capped_speedrun
     result = finish(script)
+    freezer.join()
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
     items = json.loads((tmp_path / "h200.json").read_text())["items"]
     speedrun = items["speedrun"]
@@ -293,16 +326,12 @@ def test_airbenchs_output_is_read_run_by_run():
 
 
 @pytest.mark.slow
-def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(cifar_batches_dir,
-                                                                         tmp_path):
+def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(airbench_part2):
     """Part 2, dry: the stand-in reads the cifar10/*.pt the item wrote (its accuracy is above
     chance only if images and labels line up) and prints airbench's table; the item stops
     it before its cap and h200_part2.json holds every run it finished."""
-    env = dict(os.environ, AIRBENCH_STANDIN_EPOCH_SECONDS="0.02")
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--part=2",
-                             f"--data_dir={cifar_batches_dir}", f"--out={tmp_path}",
-                             "--caps=airbench94_muon=18"], cwd=REPO, capture_output=True,
-                            text=True, timeout=300, env=env)
+    tmp_path, script = airbench_part2
+    result = finish(script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "h200_part2.json").read_text())
     assert report["part"] == 2 and list(report["setup"]) == ["data"]
