@@ -5,9 +5,9 @@ CI runs one item of each command the script uses (bench --inspect --profile, mai
 compare with torch.compile switched on, as a GPU has it), the speedrun benchmark stopped
 at its cap, and part 2's airbench item against benchmarks/airbench_standin.py (airbench
 needs CUDA); the two capped items run in the background while the dry run's items use the
-CPU, since they mostly wait out their caps. The other items' commands are the same commands with flags the test
-modules of bench, speedrun, compare and the levers run. Before a GPU loan, run every
-item by hand:
+CPU, since they mostly wait out their caps. The other items' commands are the same commands
+with flags the test modules of bench, speedrun, compare and the levers run. Before a GPU
+loan, run every item by hand:
     python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
     python3 benchmarks/h200.py --dry --part=2 --data_dir=DIR --out=/tmp/h200
 """
