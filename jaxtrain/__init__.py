@@ -14,7 +14,7 @@ _EXPORTS = {
     "DistributedError": "jaxtrain.runtime.processes", "EarlyStopping": "jaxtrain.callbacks",
     "Interrupted": "jaxtrain.runtime.signals", "RunInfo": "jaxtrain.callbacks",
     "StopTraining": "jaxtrain.callbacks",
-    "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.run.evaluate_checkpoint",
+    "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.evaluate",
     "load": "jaxtrain.data", "restore": "jaxtrain.inference.classifier",
     "train_and_evaluate": "jaxtrain.run.loop",
 }

@@ -26,9 +26,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jaxtrain
+from jaxtrain import evaluate
 from jaxtrain.cli import override_keys, parse_flags, usage_error
 from jaxtrain.config import defaults
-from jaxtrain.run import evaluate_checkpoint
 from jaxtrain.runtime import processes, signals
 
 FLAGS = flags.FLAGS
@@ -69,7 +69,7 @@ def eval_config(workdir: str):
     (then --config is needed)."""
     keys = override_keys(sys.argv)
     overrides = {key: defaults.value_at(FLAGS.config, key) for key in keys}
-    config = evaluate_checkpoint.run_config(workdir, overrides)
+    config = evaluate.run_config(workdir, overrides)
     if config is None:
         if FLAGS.config is None:
             usage_error(f"--mode=eval: {workdir} holds no config.json (no run trained there); "
@@ -97,7 +97,7 @@ def main(argv):
         peers = processes.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                                      FLAGS.process_id, peer_timeout=FLAGS.peer_timeout)
         if FLAGS.mode == "eval":
-            evaluate_checkpoint.evaluate_checkpoint(eval_config(workdir), workdir,
+            evaluate.evaluate_checkpoint(eval_config(workdir), workdir,
                                                     FLAGS.checkpoint)
         else:
             jaxtrain.train_and_evaluate(FLAGS.config, workdir, start_time=START_TIME,

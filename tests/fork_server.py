@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRELOAD = ("absl.app", "absl.flags", "numpy", "jax", "jax.numpy", "flax", "flax.linen",
            "flax.nnx", "optax", "orbax.checkpoint", "ml_collections", "PIL.Image",
-           "matplotlib.pyplot", "jaxtrain", "jaxtrain.run.evaluate_checkpoint",
+           "matplotlib.pyplot", "jaxtrain", "jaxtrain.evaluate",
            "jaxtrain.cli", "jaxtrain.run.loop", "jaxtrain.predict", "jaxtrain.perf.benchmark")
 
 

@@ -20,7 +20,8 @@ from overrides import with_overrides
 
 import jaxtrain
 from configs import cifar_seed_cnn
-from jaxtrain.run import evaluate_checkpoint, loop
+from jaxtrain import evaluate
+from jaxtrain.run import loop
 from jaxtrain.runtime import report
 from jaxtrain.training import checkpoint
 
@@ -202,11 +203,11 @@ def test_eval_mode_reports_what_the_run_recorded(reference, cifar_batches_dir, c
     workdir, _ = reference
     recorded = {r["step"]: r for r in report.read_metrics(str(workdir)) if "test_loss" in r}
     config = small_config(cifar_batches_dir)
-    newest = evaluate_checkpoint.evaluate_checkpoint(config, str(workdir))
+    newest = evaluate.evaluate_checkpoint(config, str(workdir))
     assert newest["step"] == 40
     assert newest["test_accuracy"] == pytest.approx(recorded[40]["test_accuracy"], abs=1e-7)
     assert newest["test_loss"] == pytest.approx(recorded[40]["test_loss"], rel=1e-6)
-    older = evaluate_checkpoint.evaluate_checkpoint(config, str(workdir),
+    older = evaluate.evaluate_checkpoint(config, str(workdir),
                                                     str(workdir / "checkpoints" / "20"))
     assert older["step"] == 20  # not evaluated during the run: compare with the restore API
     labels, _ = jaxtrain.restore(str(workdir), step=20).predict(cifar_subset["x_test"])
@@ -347,7 +348,7 @@ def test_the_best_checkpoint_is_kept_and_restored_while_resume_takes_the_newest(
     assert np.mean(labels == cifar_subset["y_test"]) == pytest.approx(points[best], abs=1e-6)
     assert jaxtrain.restore(str(tmp_path)).step == 80
     # --checkpoint=best
-    evaluated = evaluate_checkpoint.evaluate_checkpoint(config, str(tmp_path), "best")
+    evaluated = evaluate.evaluate_checkpoint(config, str(tmp_path), "best")
     assert evaluated["step"] == best
     assert evaluated["test_accuracy"] == pytest.approx(points[best], abs=1e-6)
     # docs/checkpoints.md's command as typed: no --config, the run's config.json is read
@@ -404,7 +405,7 @@ def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
     assert again == json.loads((tmp_path / "run" / "summary.json").read_text())
 
     monkeypatch.chdir(tmp_path / "B")  # --mode=eval: the run's own config, nothing given
-    metrics = evaluate_checkpoint.evaluate_checkpoint(evaluate_checkpoint.run_config(workdir),
+    metrics = evaluate.evaluate_checkpoint(evaluate.run_config(workdir),
                                                       workdir)
     assert metrics["test_accuracy"] == pytest.approx(first["test_accuracy"])
 

@@ -24,7 +24,7 @@ HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 LOWER = ("models", "training")  # the parts a run is built from
 BELOW_RUN = ("models", "training", "weights", "runtime", "data")  # where the config is not read
 UPPER = ("run", "callbacks", "perf", "baselines")  # what uses them
-COMMANDS = ("bench", "compare", "predict", "export", "cli", "__main__")
+COMMANDS = ("bench", "compare", "evaluate", "predict", "export", "cli", "__main__")
 TOP_LEVEL = {"__init__", "__main__", "errors", "cli", *COMMANDS}
 SUBPACKAGES = {"config", "data", "models", "weights", "training", "runtime", "run",
                "callbacks", "inference", "perf", "baselines"}

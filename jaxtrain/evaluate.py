@@ -1,5 +1,5 @@
-"""--mode=eval: a saved checkpoint evaluated on the test split, with the config its
-run recorded."""
+"""--mode=eval (main.py's other mode): a saved checkpoint evaluated on the test split, with
+the config its run recorded."""
 import json
 import os
 
