@@ -257,13 +257,19 @@ SMALL = ("--config.model.name=mlp", "--config.model.hidden_sizes=(16,)",
 
 @pytest.mark.slow
 def test_stop_training_ends_the_run_cleanly(cifar_batches_dir, tmp_path):
-    config = write_config(tmp_path / "stop.py", stop=("recording_callback:StopAt", {"step": 20}))
-    result = run_main(config, tmp_path / "run", cifar_batches_dir, *SMALL)
+    calls = tmp_path / "calls.jsonl"
+    config = write_config(tmp_path / "stop.py", stop=("recording_callback:StopAt", {"step": 20}),
+                          zrecord=("recording_callback:Recorder", {"path": str(calls)}))
+    result = run_main(config, tmp_path / "run", cifar_batches_dir, *SMALL,
+                      "--config.checkpoint.every_steps=30")  # step 20 saved for the stop
     assert result.returncode == 0, result.stderr[-2000:]
     assert "stopped early at step 20: step 20 reached" in result.stdout
     summary = json.loads((tmp_path / "run" / report.SUMMARY_FILE).read_text())
     assert summary["stopped_early"] == {"step": 20, "reason": "step 20 reached"}
-    assert checkpoint.saved_steps(str(tmp_path / "run" / "checkpoints"))[-1] == 20
+    assert checkpoint.saved_steps(str(tmp_path / "run" / "checkpoints")) == [20]
+    # the checkpoint saved for the stop is told to on_checkpoint, once it is on disk
+    told = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [(c["step"], c["on_disk"]) for c in told if c["event"] == "checkpoint"] == [(20, True)]
     # What was trained, not what was planned: 20 steps of 50 images, 40 to an epoch.
     assert (summary["steps"], summary["planned_steps"], summary["epochs"]) == (20, 40, 0.5)
     assert summary["images"] == 20 * 50

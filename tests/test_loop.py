@@ -19,7 +19,7 @@ import fork_server
 from jaxtrain import models
 from jaxtrain.config import defaults
 from jaxtrain.perf import hlo
-from jaxtrain.run import loop, projection, start
+from jaxtrain.run import loop, profiling, projection, start
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import rows as rows_lib
 from jaxtrain.runtime import phases, report
@@ -271,7 +271,7 @@ def test_rows_for_a_curve_and_test_points_every_n_steps(profiled_run):
 @pytest.mark.slow
 def test_profile_writes_a_trace_and_prints_the_costliest_ops(profiled_run):
     _, root, first, _ = profiled_run
-    profile_dir = root / "first" / loop.PROFILE_DIR
+    profile_dir = root / "first" / profiling.PROFILE_DIR
     assert list(profile_dir.rglob("*.xplane.pb")) and list(profile_dir.rglob(
         "perfetto_trace.json.gz"))
     out = first.stdout

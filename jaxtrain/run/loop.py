@@ -1,17 +1,14 @@
-"""One run, top to bottom (run_checked): set up and restore or initialise (start.py), then
-for each planned chunk: train it, take its rows; if a signal came, save its steps and stop;
-else evaluate and save when due, write the rows, hand them to the user's callbacks, and
-stop where one asked; then the summary (summary.py). Each line of the loop is a function
-below it, in the loop's order, or a chunk's own (chunk.py: train it, check it, its rows).
-The loop holds what changes as the run goes (the state, the row window, the last
-evaluation, the times) and hands it to each function that needs it."""
+"""One run, top to bottom (run_checked): start (start.py), then for each planned chunk:
+train it and take its rows (chunk.py); on a signal keep its steps and stop; evaluate and
+save when due, write the rows, hand them to the user's callbacks, stop where one asked;
+then the summary (summary.py). The loop holds what changes as the run goes (the state,
+the row window, the last evaluation, the times) and hands it to each function below."""
 import signal
 
 import jax
 import numpy as np
 
 from jaxtrain.config import checks
-from jaxtrain.models import user
 from jaxtrain.run import callbacks as callbacks_lib
 from jaxtrain.run import chunk as chunk_lib
 from jaxtrain.run import profiling, projection as projection_lib, resume
@@ -21,9 +18,6 @@ from jaxtrain.run import summary as summary_lib
 from jaxtrain.run.session import Evaluation
 from jaxtrain.runtime import phases, processes, signals
 from jaxtrain.training import checkpoint, chunks, evaluation as evaluation_lib, train_state
-
-PROFILE_DIR = profiling.PROFILE_DIR
-
 
 def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
                        profile_steps: int = 0, warm_up: bool = False, callbacks=(),
@@ -56,7 +50,7 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     command that started it checked it (jaxtrain.compare)."""
     if clock is None:
         clock = phases.Clock(None, say=print_now if processes.is_main_process() else None)
-    config = run_config(config, workdir, model)
+    config = start_lib.run_config(config, workdir, model)
     complete = resume.completed_summary(workdir, config)
     if complete is not None:  # nothing left to train: say so instead of starting anew
         return complete
@@ -140,36 +134,32 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     return summary
 
 
-def run_config(config, workdir: str, model=None):
-    """The run's checked config with absolute paths and the name of a model passed in,
-    resumable from what `workdir` holds (resume.check_resumable); a copy."""
-    config = checks.with_absolute_paths(config)  # a copy: the caller's stays as it was
-    if model is not None:
-        with config.unlocked():
-            config.model.name = user.instance_name(model)
-    resume.check_resumable(workdir, config)
-    return config
-
-
 def print_now(line: str) -> None:
     print(line, flush=True)
 
 
 def evaluation_missing(run, step: int) -> bool:
-    """Whether the step the run resumed at was due an evaluation that a signal cut short
-    (its checkpoint saved, its rows without test metrics)."""
+    """Whether the step the run resumed at lacks the evaluation due there (a signal cut it
+    short after its checkpoint was saved)."""
     return run.resumed and run.evaluates(step) and not any(
         row["step"] == step and "test_loss" in row for row in run.reporter.records)
 
 
 def stop_for_signal(run, state, step: int, window, times, evaluation, users, new: list, stop,
                     phase: str | None = None) -> None:
-    """A signal: every step trained is kept. The rows are written, with one for the steps
-    since the last (the window keeps them too: the checkpoint carries them, and a resumed
-    run's next row covers them again), the state is saved unless this step's checkpoint
-    is on disk, the user's callbacks get the rows and the checkpoint, and the run stops
+    """A signal: every step trained is kept (keep_trained_steps), then the run stops
     (Interrupted: exit status 128 + N)."""
-    new = new + stop_rows(run, step, window, times)
+    keep_trained_steps(run, state, step, window, times, evaluation, users, new)
+    raise signals.Interrupted(stop.signal or signal.SIGTERM, step, run.manager.directory, phase)
+
+
+def keep_trained_steps(run, state, step: int, window, times, evaluation, users,
+                       new=()) -> None:
+    """Before the run stops at `step`: the rows `new` written, with one for the steps since
+    the last (the window keeps them too: the checkpoint carries them, and a resumed run's
+    next row covers them again), the state saved unless this step's checkpoint is on
+    disk, and the user's callbacks handed the rows and the checkpoint."""
+    new = list(new) + stop_rows(run, step, window, times)
     log(run, new)
     saved = None
     if step not in checkpoint.saved_steps(run.manager.directory):
@@ -177,7 +167,6 @@ def stop_for_signal(run, state, step: int, window, times, evaluation, users, new
         saved = step
     checkpoint.wait(run.manager)
     users.deliver(new, step, saved)
-    raise signals.Interrupted(stop.signal or signal.SIGTERM, step, run.manager.directory, phase)
 
 
 def stop_rows(run, step: int, window, times) -> list:
@@ -258,18 +247,13 @@ def save(run, state, step: int, window, times, evaluation) -> None:
 
 
 def stop_if_asked(run, state, step: int, window, times, evaluation, users) -> dict | None:
-    """A callback's StopTraining (on any process; every process stops at this step): a
-    row for the steps since the last, a checkpoint, one line. Returns stopped_early."""
+    """A callback's StopTraining, on any process: every process keeps its trained steps
+    and stops at this step, in one line. Returns stopped_early."""
     asking = processes.first_process(users.stop_reason is not None)
     if asking is None:
         return None
     reason = users.stop_reason or f"a callback of process {asking} asked to stop"
-    last = stop_rows(run, step, window, times)
-    log(run, last)
-    users.deliver(last, step)
-    if step not in checkpoint.saved_steps(run.manager.directory):
-        save(run, state, step, window, times, evaluation)
-    checkpoint.wait(run.manager)
+    keep_trained_steps(run, state, step, window, times, evaluation, users)
     run.reporter.print_line(f"stopped early at step {step}: {reason}")
     return {"step": step, "reason": reason}
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import models
+from jaxtrain.models import user
 from jaxtrain.config import checks
 from jaxtrain.run import plan as plan_lib
 from jaxtrain.run import resume
@@ -98,6 +99,17 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     times = session_lib.Times(train=meta.get("train_seconds", 0.0),
                               eval=meta.get("eval_seconds", 0.0), compile=compile_seconds)
     return started, state, window, times, paced or kind_of_loop(config, run) != "scan"
+
+
+def run_config(config, workdir: str, model=None):
+    """The run's checked config with absolute paths and the name of a model passed in,
+    resumable from what `workdir` holds (resume.check_resumable); a copy."""
+    config = checks.with_absolute_paths(config)  # a copy: the caller's stays as it was
+    if model is not None:
+        with config.unlocked():
+            config.model.name = user.instance_name(model)
+    resume.check_resumable(workdir, config)
+    return config
 
 
 def restore_or_init(config, workdir: str, model, clock, mesh, peers):
