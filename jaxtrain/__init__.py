@@ -15,8 +15,8 @@ _EXPORTS = {
     "Interrupted": "jaxtrain.runtime.signals", "RunInfo": "jaxtrain.callbacks",
     "StopTraining": "jaxtrain.callbacks",
     "TrainingError": "jaxtrain.errors", "evaluate_checkpoint": "jaxtrain.evaluate",
-    "load": "jaxtrain.data", "restore": "jaxtrain.inference.classifier",
-    "train_and_evaluate": "jaxtrain.run.loop",
+    "history": "jaxtrain.runtime.report", "load": "jaxtrain.data",
+    "restore": "jaxtrain.inference.classifier", "train_and_evaluate": "jaxtrain.run.loop",
 }
 __all__ = sorted(_EXPORTS)
 

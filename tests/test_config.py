@@ -38,3 +38,22 @@ def test_a_group_must_be_a_param_group():
 def test_the_recipes_pass_the_checks():
     checks.check_config(default.get_config())
     checks.check_config(cifar_speedrun.get_config())
+
+
+def test_a_recipe_loads_by_name_or_path_and_a_wrong_one_is_one_line(tmp_path):
+    import jaxtrain
+    from jaxtrain import config as config_lib
+    names = config_lib.names()
+    assert {"cifar", "cifar_speedrun", "fashion_mnist_mlp", "default"} <= set(names)
+    assert "__init__" not in names
+    by_name = jaxtrain.config.load("cifar_speedrun")
+    assert by_name.to_dict() == cifar_speedrun.get_config().to_dict()
+    assert config_lib.load("configs/cifar_speedrun.py").to_dict() == by_name.to_dict()
+    with pytest.raises(ConfigError, match=r"^no recipe named 'cifar10': jaxtrain's recipes "
+                                          r"are cifar, .*fashion_mnist_mlp, "):
+        config_lib.load("cifar10")
+    with pytest.raises(ConfigError, match=f"^no config file {tmp_path}/missing.py$"):
+        config_lib.load(str(tmp_path / "missing.py"))
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="defines get_config"):
+        config_lib.load(str(tmp_path / "empty.py"))

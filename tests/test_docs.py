@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
+import numpy as np
 import pytest
+from conftest import missing, require_module
 from test_callbacks import mlp_config
 
 from jaxtrain.config import checks
@@ -196,3 +199,39 @@ def test_every_documented_command_that_runs_on_a_cpu_runs_as_written(
     for (page, name, words), result in zip(DOCUMENTED_RUNS, results):
         assert result["status"] == 0, (page, name, " ".join(words), result["stderr"])
     assert len(results) == len(DOCUMENTED_RUNS) >= 10
+
+
+# ---------------------------------------------------------------- docs/python.md, run
+
+@pytest.mark.slow
+def test_the_python_page_s_script_runs_as_printed(tmp_path):
+    """docs/python.md's script, as a user saves and runs it (from any folder: the recipe
+    comes from the installed package): it trains, reads its history, classifies files
+    and exports; the history is metrics.jsonl's, the ONNX file gives restore's
+    probabilities."""
+    if not Path("/usr/share/datasets/fashion-mnist").is_dir():
+        missing("no Fashion-MNIST in /usr/share/datasets/fashion-mnist: "
+                "apt-get install dataset-fashion-mnist")
+    onnxruntime = require_module("onnxruntime", "pip install -e .[export]")
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "python.md").read_text(), re.S)
+    (script,) = [block for block in blocks if block.startswith("# train_fashion.py")]
+    (tmp_path / "train_fashion.py").write_text(script)
+    done = fork_server.run([sys.executable, "train_fashion.py"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    workdir = tmp_path / "runs" / "fashion_py"
+    summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
+    assert summary["steps"] == 468 and summary["test_accuracy"] > 0.8
+    assert f"test accuracy {summary['test_accuracy']:.2%} after 468 steps" in done.stdout
+    evaluations = [row for row in report.read_metrics(str(workdir)) if "test_loss" in row]
+    assert [row["step"] for row in evaluations] == [200, 400, 468]
+    for row in evaluations:
+        assert f"step {row['step']}: test_accuracy {row['test_accuracy']:.2%}" in done.stdout
+    assert len(re.findall(r"^item\d\.png is \('", done.stdout, re.M)) == 4
+    import jaxtrain
+    classifier = jaxtrain.restore(str(workdir), pool_impl="xla")
+    images = jaxtrain.load("fashion_mnist").x_test[:16]
+    session = onnxruntime.InferenceSession(str(tmp_path / "fashion_mlp.onnx"))
+    exported = session.run(None, {"images": images})[0]
+    np.testing.assert_allclose(exported, classifier.predict(images)[1], atol=1e-4)
+    assert json.loads((tmp_path / "fashion_mlp.onnx.json").read_text())["format"] == "onnx"

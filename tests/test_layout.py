@@ -27,7 +27,7 @@ UPPER = ("run", "callbacks", "perf", "baselines")  # what uses them
 COMMANDS = ("bench", "compare", "evaluate", "predict", "export", "cli", "__main__")
 TOP_LEVEL = {"__init__", "__main__", "errors", "cli", *COMMANDS}
 SUBPACKAGES = {"config", "data", "models", "weights", "training", "runtime", "run",
-               "callbacks", "inference", "perf", "baselines"}
+               "callbacks", "inference", "perf", "baselines", "recipes"}
 
 
 def module_names(root: Path) -> dict:
@@ -162,6 +162,8 @@ def readme_folders(text: str) -> set:
 
 def test_the_readme_layout_is_this_tree():
     folders = {str(path.parent.relative_to(PACKAGE)) for path in PACKAGE.rglob("__init__.py")}
+    folders |= {path.name for path in PACKAGE.iterdir()  # recipes/: a link to ../configs
+                if path.is_symlink() and (path / "__init__.py").is_file()}
     assert readme_folders((PACKAGE.parent / "README.md").read_text()) == folders - {"."}
 
 

@@ -16,6 +16,7 @@ import pytest
 import quick_compile
 import fork_server
 
+import jaxtrain
 from jaxtrain import models
 from jaxtrain.config import defaults
 from jaxtrain.perf import hlo
@@ -386,3 +387,22 @@ def dict_copy(config, **train):
     copy = config.copy_and_resolve_references()
     copy.train.update(train)
     return copy
+
+
+def test_history_reads_the_rows_back_as_python_objects(tmp_path):
+    rows = [{"step": 5, "train_loss": 2.0, "train_accuracy": 0.1, "replica": 0, "seed": 0},
+            {"step": 5, "train_loss": 1.8, "train_accuracy": 0.2, "replica": 1, "seed": 1},
+            {"step": 10, "train_loss": 1.5, "train_accuracy": 0.3, "replica": 0, "seed": 0,
+             "test_loss": 1.6, "test_accuracy": 0.4},
+            {"step": 10, "train_loss": 1.4, "train_accuracy": 0.35, "replica": 1, "seed": 1,
+             "test_loss": 1.5, "test_accuracy": 0.45},
+            {"step": 12, "epoch": 1.0, "test_loss": 1.3, "test_accuracy": 0.5, "replica": 0}]
+    (tmp_path / report.METRICS_FILE).write_text(
+        "".join(json.dumps(row) + "\n" for row in rows) + '{"step": 13, "trai')  # killed
+    history = jaxtrain.history(str(tmp_path))
+    assert history.train == rows[:4] and history.evaluations == rows[2:]
+    assert history.series("train_loss", replica=1) == ([5, 10], [1.8, 1.4])
+    assert history.series("test_accuracy", replica=0) == ([10, 12], [0.4, 0.5])
+    assert history.series("test_accuracy") == ([], [])  # a replicated run: name the replica
+    with pytest.raises(FileNotFoundError, match="not the workdir of a run"):
+        jaxtrain.history(str(tmp_path / "elsewhere"))

@@ -1,5 +1,6 @@
 """What a run tells its user: console table and progress bar, metrics.jsonl,
 TensorBoard event files, a PNG of the curves, and summary.json."""
+import dataclasses
 import itertools
 import json
 import math
@@ -50,6 +51,34 @@ def read_metrics(workdir: str) -> list[dict]:
             except json.JSONDecodeError:
                 break
     return records
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """A run's metrics as Python objects (jaxtrain.history), as Keras's fit returns them:
+    `train`, the training rows (step, epoch, train_loss, train_accuracy, learning_rate,
+    seconds), and `evaluations`, the rows with test metrics (step, epoch, test_loss,
+    test_accuracy, ...); a replicated run's rows name their replica and seed."""
+    train: list
+    evaluations: list
+
+    def series(self, name: str, replica: int | None = None) -> tuple[list, list]:
+        """(steps, values) of one metric ('train_loss', 'test_accuracy', ...), of one
+        replica for a replicated run."""
+        rows = self.evaluations if name.startswith("test_") else self.train
+        pairs = [(row["step"], row[name]) for row in rows
+                 if row.get(name) is not None and row.get("replica") == replica]
+        return [step for step, _ in pairs], [value for _, value in pairs]
+
+
+def history(workdir: str) -> History:
+    """The run in `workdir`'s metrics.jsonl, every resume's rows included, as a History."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {METRICS_FILE} in {workdir}: not the workdir of a run")
+    records = read_metrics(workdir)
+    return History(train=[row for row in records if "train_loss" in row],
+                   evaluations=[row for row in records if "test_loss" in row])
 
 
 def import_tensorboardx():
