@@ -22,7 +22,7 @@ def main(argv):
         description = exporters.export(argv[1], FLAGS.format, FLAGS.out, FLAGS.batch,
                                        checkpoint=FLAGS.checkpoint, tta=FLAGS.tta,
                                        weights=FLAGS.weights, precision=FLAGS.precision,
-                                       platforms=platforms)
+                                       platforms=platforms, opset=FLAGS.opset)
     except (exporters.ExportError, checkpoint.CheckpointError, ValueError) as error:
         usage_error(str(error).splitlines()[0])
     batch = "a dynamic batch" if FLAGS.batch is None else f"batch {FLAGS.batch}"
@@ -46,6 +46,9 @@ def define_flags():
                       "What the exported model computes in (onnx: float32 only).")
     flags.DEFINE_string("platforms", ",".join(exporters.PLATFORMS), "stablehlo: the platforms to "
                         "lower for, comma-separated (cpu, cuda, rocm, tpu).")
+    flags.DEFINE_integer("opset", exporters.ONNX_OPSET, "onnx: the ONNX opset to write, from "
+                         f"{exporters.MIN_ONNX_OPSET} to {exporters.ONNX_OPSET} (older "
+                         "runtimes and converters read the older ones).")
     flags.mark_flags_as_required(["format", "out"])
 
 

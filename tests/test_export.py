@@ -216,6 +216,26 @@ def test_a_fixed_batch_and_tta_inside_the_export(run_of, test_images, tmp_path):
         session.run(None, {"images": test_images[:6]})
 
 
+def test_an_older_opset_is_written_and_read_by_a_second_consumer(run_of, test_images, tmp_path):
+    """The oldest opset jax2onnx writes these models in (with the run's TTA inside), for
+    runtimes and converters that lag behind: the file records it, and ONNX's own reference
+    evaluator (a second consumer beside onnxruntime) gives predict's probabilities."""
+    onnx = require_module("onnx", "pip install -e '.[export]'")
+    from onnx.reference import ReferenceEvaluator
+    workdir = run_of("seed_cnn")
+    _, expected = jaxtrain.restore(workdir, tta="flip").predict(test_images[:4])
+    out = tmp_path / "old.onnx"
+    description = exporters.export(workdir, "onnx", str(out), tta="flip",
+                                   opset=exporters.MIN_ONNX_OPSET)
+    model = onnx.load(str(out))
+    assert exporters.MIN_ONNX_OPSET == 15 == description["exporter"]["opset"]
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [15]
+    read = ReferenceEvaluator(model).run(None, {"images": test_images[:4]})[0]
+    np.testing.assert_allclose(read, expected, atol=PROBABILITY_ATOL, rtol=0)
+    np.testing.assert_allclose(run_onnx(out, test_images[:4]), expected, atol=PROBABILITY_ATOL,
+                               rtol=0)
+
+
 def test_a_bfloat16_run_exports_float32_by_default(arrays_npz, test_images, tmp_path):
     workdir = str(tmp_path / "bf16")
     # the mlp: what precision a run computed in and what the export computes in are the
@@ -335,7 +355,7 @@ print(json.dumps(statuses))
 """
 
 BAD_INPUTS = ("no checkpoint", "not a run", "unknown format", "unwritable out",
-              "out is a folder", "unknown step")
+              "out is a folder", "unknown step", "opset too old")
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +378,8 @@ def bad_input_results(run_of, tmp_path_factory):
                 "unwritable out": (workdir, "--format=onnx",
                                    f"--out={folder / 'missing' / 'm.onnx'}"),
                 "out is a folder": (workdir, "--format=stablehlo", f"--out={out.parent}"),
-                "unknown step": (workdir, "--format=onnx", f"--out={out}", "--checkpoint=7")}[case]
+                "unknown step": (workdir, "--format=onnx", f"--out={out}", "--checkpoint=7"),
+                "opset too old": (workdir, "--format=onnx", f"--out={out}", "--opset=11")}[case]
         folders.append(folder)
         commands.append([str(arg) for arg in args])
     done = subprocess.run([sys.executable, "-c", COMMANDS, json.dumps(commands), str(root)],
@@ -377,6 +398,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, bad_input_results
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-2000:]
     expected = {"no checkpoint": "no checkpoint in", "not a run": "not a jaxtrain run",
                 "unknown format": "--format", "unwritable out": "no folder",
-                "out is a folder": "is a folder", "unknown step": "saved steps: 2"}[case]
+                "out is a folder": "is a folder", "unknown step": "saved steps: 2",
+                "opset too old": "--opset=11: jax2onnx writes these models at opsets 15 to "
+                                 "23"}[case]
     assert expected in lines[0]
     assert list((folder / "out").iterdir()) == [] and not (folder / "missing").exists()

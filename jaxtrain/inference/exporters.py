@@ -32,7 +32,10 @@ from jaxtrain.inference import classifier as classifier_lib
 
 FORMATS = ("onnx", "stablehlo")
 PLATFORMS = ("cpu", "cuda")  # what a StableHLO export is lowered for by default
-ONNX_OPSET = 23
+ONNX_OPSET = 23  # the default --opset: the newest jax2onnx 0.12.5 writes
+# The oldest it writes every model and TTA of jaxtrain in: at 13 and 14 its TTA's Shape
+# nodes carry `start`, an attribute of opset 15.
+MIN_ONNX_OPSET = 15
 JAX2ONNX_VERSIONS = "jax2onnx 0.12.5"  # what the `export` extra pins (0.13-0.17 pin an older orbax)
 
 
@@ -85,8 +88,10 @@ def to_stablehlo(classifier, batch: int | None = None, tta: str | None = None,
     return bytes(exported.serialize())
 
 
-def to_onnx(classifier, batch: int | None = None, tta: str | None = None) -> bytes:
-    """The ONNX model (opset ONNX_OPSET) of probabilities_function, through jax2onnx.
+def to_onnx(classifier, batch: int | None = None, tta: str | None = None,
+            opset: int = ONNX_OPSET) -> bytes:
+    """The ONNX model (at `opset`, MIN_ONNX_OPSET to ONNX_OPSET: older runtimes and
+    converters read the older ones) of probabilities_function, through jax2onnx.
 
     Inputs 'images' (uint8 NHWC), output 'probabilities'. jax2onnx 0.12.5 leaves
     stale NHWC shapes in the graph's value_info for some tensors it turned NCHW (a
@@ -99,17 +104,24 @@ def to_onnx(classifier, batch: int | None = None, tta: str | None = None) -> byt
     except ImportError as error:
         raise ExportError(f"--format=onnx needs jax2onnx and onnx ({error.name} is missing): "
                           "pip install 'jaxtrain[export]'") from None
+    check_opset(opset)
     spec = input_spec(classifier, batch, "batch")
     with quiet_exporter():
         try:
             model = jax2onnx.to_onnx(probabilities_function(classifier, tta), [spec],
-                                     model_name="jaxtrain", opset=ONNX_OPSET,
+                                     model_name="jaxtrain", opset=opset,
                                      input_names=["images"], output_names=["probabilities"])
         except Exception as error:
             raise ExportError(onnx_failure(error)) from error
     del model.graph.value_info[:]
     onnx.checker.check_model(model)
     return model.SerializeToString()
+
+
+def check_opset(opset: int) -> None:
+    if not MIN_ONNX_OPSET <= opset <= ONNX_OPSET:
+        raise ExportError(f"--opset={opset}: jax2onnx writes these models at opsets "
+                          f"{MIN_ONNX_OPSET} to {ONNX_OPSET}")
 
 
 def onnx_failure(error: Exception) -> str:
@@ -170,7 +182,8 @@ def write_atomically(path: str, data: bytes) -> None:
         raise
 
 
-def describe(classifier, format: str, out: str, batch, tta: str, platforms) -> dict:
+def describe(classifier, format: str, out: str, batch, tta: str, platforms,
+             opset: int = ONNX_OPSET) -> dict:
     """FILE.json: what the exported function takes and gives, and where it came from."""
     workdir = classifier.workdir
     summary, config = {}, {}
@@ -203,7 +216,7 @@ def describe(classifier, format: str, out: str, batch, tta: str, platforms) -> d
         description["load"] = "jax.export.deserialize(open(FILE, 'rb').read()).call(images)"
     else:
         from importlib import metadata
-        description["exporter"].update(jax2onnx=metadata.version("jax2onnx"), opset=ONNX_OPSET)
+        description["exporter"].update(jax2onnx=metadata.version("jax2onnx"), opset=opset)
         description["load"] = ("onnxruntime.InferenceSession(FILE).run(None, "
                                "{'images': images})[0]")
     return description
@@ -233,15 +246,16 @@ def file_preprocessing(classifier) -> dict:
 
 def export(workdir: str, format: str, out: str, batch: int | None = None, *,
            checkpoint: str | None = None, tta: str | None = None, weights: str = "raw",
-           precision: str = "float32", platforms=PLATFORMS) -> dict:
+           precision: str = "float32", platforms=PLATFORMS, opset: int = ONNX_OPSET) -> dict:
     """Writes the run's classifier to `out` (and `out`.json) and returns that JSON. tta:
     None = the run's eval.tta, as jaxtrain.predict and jaxtrain.restore use it."""
     check_format(format, precision)
+    check_opset(opset)
     check_writable(out)
     # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
     classifier = classifier_lib.restore_for(workdir, checkpoint, weights, tta, precision,
                                             pool_impl="xla")
-    return save(classifier, format, out, batch, tta, platforms)
+    return save(classifier, format, out, batch, tta, platforms, opset)
 
 
 def check_format(format: str, precision: str) -> None:
@@ -253,7 +267,7 @@ def check_format(format: str, precision: str) -> None:
 
 
 def save(classifier, format: str, out: str, batch: int | None = None,
-         tta: str | None = None, platforms=PLATFORMS) -> dict:
+         tta: str | None = None, platforms=PLATFORMS, opset: int = ONNX_OPSET) -> dict:
     """Writes a restored classifier (jaxtrain.restore) to `out` and `out`.json, with its
     own TTA (the run's eval.tta unless restore was told another) unless `tta` says."""
     tta = classifier.tta if tta is None else tta
@@ -262,8 +276,8 @@ def save(classifier, format: str, out: str, batch: int | None = None,
     if format == "stablehlo":
         data = to_stablehlo(classifier, batch, tta, platforms)
     else:
-        data = to_onnx(classifier, batch, tta)
-    description = describe(classifier, format, out, batch, tta, platforms)
+        data = to_onnx(classifier, batch, tta, opset)
+    description = describe(classifier, format, out, batch, tta, platforms, opset)
     description["bytes"] = len(data)
     write_atomically(out, data)
     write_atomically(out + ".json", (json.dumps(description, indent=1) + "\n").encode())
