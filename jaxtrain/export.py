@@ -22,7 +22,8 @@ def main(argv):
         description = exporters.export(argv[1], FLAGS.format, FLAGS.out, FLAGS.batch,
                                        checkpoint=FLAGS.checkpoint, tta=FLAGS.tta,
                                        weights=FLAGS.weights, precision=FLAGS.precision,
-                                       platforms=platforms, opset=FLAGS.opset)
+                                       platforms=platforms, opset=FLAGS.opset,
+                                       model=FLAGS.model)
     except (exporters.ExportError, checkpoint.CheckpointError, ValueError) as error:
         usage_error(str(error).splitlines()[0])
     batch = "a dynamic batch" if FLAGS.batch is None else f"batch {FLAGS.batch}"
@@ -50,6 +51,8 @@ def define_flags():
                          f"{exporters.MIN_ONNX_OPSET} to {exporters.ONNX_OPSET} (older "
                          "runtimes and converters read the older ones).")
     flags.mark_flags_as_required(["format", "out"])
+    from jaxtrain import predict
+    predict.define_model_flag()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main(argv):
     workdir, paths = argv[1], argv[2:]
     try:
         classifier = classifier_lib.restore_for(workdir, FLAGS.checkpoint, FLAGS.weights,
-                                                FLAGS.tta)
+                                                FLAGS.tta, model=FLAGS.model)
     except (checkpoint.CheckpointError, ValueError) as error:
         usage_error(str(error).splitlines()[0])
     result = classifier.predict_files(paths)
@@ -68,6 +68,14 @@ def define_flags():
                       "Test-time augmentation (default: the run's eval.tta).")
     flags.DEFINE_bool("json", False, "One JSON object per line: path, label, class, top "
                       "[{class, label, probability}].")
+    define_model_flag()
+
+
+def define_model_flag():
+    """--model, for predict and export: a run trained on a model passed from Python."""
+    flags.DEFINE_string("model", None, "package.module:ClassName: the class of the model a run "
+                        "was given from Python (train_and_evaluate(model=...)), built as a "
+                        "model.name is (default: the class the run recorded, if importable).")
 
 
 def parse_flags(argv):

@@ -1,4 +1,6 @@
 """Your own model: docs/models.md's Linen and NNX examples, named in a config or passed in."""
+import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -7,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import fork_server
+from conftest import require_module
 from overrides import with_overrides
 
 import jaxtrain
@@ -80,11 +83,65 @@ def test_a_module_instance_trains_through_the_python_api(mynets, cifar_batches_d
         summary = jaxtrain.train_and_evaluate(config, str(tmp_path / str(i)), model=module)
         assert summary["steps"] == 10
         assert summary["param_count"] == (27 * 8 + 8) + 16 + (72 * 16 + 16) + 32 + (16 * 10 + 10)
-        with pytest.raises(ValueError, match=r"pass it again: jaxtrain.restore\(workdir, "
-                                              r"model=\.\.\.\)"):
-            jaxtrain.restore(str(tmp_path / str(i)))
         restored = jaxtrain.restore(str(tmp_path / str(i)), model=module)
         assert restored.step == 10
+        images = np.zeros((2, 32, 32, 3), np.uint8)
+        if isinstance(module, example.TinyNet):  # a Linen instance records its fields
+            by_class = jaxtrain.restore(str(tmp_path / str(i)))  # TinyNet(width=8) again
+            np.testing.assert_array_equal(by_class.predict(images)[1],
+                                          restored.predict(images)[1])
+        else:  # an NNX instance does not: its class with width=16 does not fit
+            with pytest.raises(jaxtrain.CheckpointError, match=(
+                    r"does not fit this model: .* a model passed from Python "
+                    r"\(mynets:TinyNNX\), which its class as built here is not: pass it "
+                    r"again: jaxtrain.restore\(workdir, model=\.\.\.\), or on the command "
+                    r"line --model=package.module:ClassName$")):
+                jaxtrain.restore(str(tmp_path / str(i)))
+
+
+@pytest.mark.slow
+def test_predict_and_export_take_the_class_of_a_model_passed_from_python(
+        mynets, cifar_batches_dir, cifar_subset, tmp_path):
+    """A run given an NNX instance of a class defined where the commands cannot import it
+    (trainer_nets, the training script's module): predict and export say how to pass the
+    class (--model), and with it give restore's probabilities."""
+    import importlib.util
+
+    import flax.nnx as nnx
+    spec = importlib.util.spec_from_file_location("trainer_nets", mynets / "mynets.py")
+    trainer_nets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer_nets)
+    workdir = tmp_path / "run"
+    config = small_config(cifar_batches_dir, "cifar_cnn", train__num_steps=10)
+    jaxtrain.train_and_evaluate(config, str(workdir), model=trainer_nets.TinyNNX(rngs=nnx.Rngs(0)))
+    from PIL import Image
+    photo, image = tmp_path / "photo.png", cifar_subset["x_test"][0]
+    Image.fromarray(image).save(photo)
+    env = {**os.environ, "PYTHONPATH": f"{mynets}:{REPO}"}
+
+    def command(*args):
+        return fork_server.run([sys.executable, *args], cwd=REPO, capture_output=True,
+                               text=True, timeout=300, env=env)
+    failed = command("-m", "jaxtrain.predict", str(workdir), str(photo))
+    assert failed.returncode == 2 and failed.stderr.strip().splitlines() == [
+        "error: this run trained a model passed from Python (trainer_nets:TinyNNX), whose "
+        "class cannot be imported here (model.name='trainer_nets:TinyNNX': cannot import "
+        "'trainer_nets' (No module named 'trainer_nets'); it must be installed or on sys.path "
+        "(e.g. PYTHONPATH)): pass it again: jaxtrain.restore(workdir, model=...), or on the "
+        "command line --model=package.module:ClassName"]
+    predicted = command("-m", "jaxtrain.predict", str(workdir), str(photo), "--json",
+                        "--model=mynets:TinyNNX")
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    expected = jaxtrain.restore(str(workdir), model="mynets:TinyNNX").predict(image[None])[1][0]
+    top = json.loads(predicted.stdout)["top"]
+    assert top[0]["probability"] == pytest.approx(float(expected.max()), abs=1e-5)
+    out = tmp_path / "model.onnx"
+    exported = command("-m", "jaxtrain.export", str(workdir), "--format=onnx", f"--out={out}",
+                       "--model=mynets:TinyNNX")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    onnxruntime = require_module("onnxruntime", "pip install -e '.[export]'")
+    probabilities = onnxruntime.InferenceSession(str(out)).run(None, {"images": image[None]})[0]
+    np.testing.assert_allclose(probabilities[0], expected, atol=1e-4)
 
 
 def test_bad_model_names_say_what_is_wrong(mynets):

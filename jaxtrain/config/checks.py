@@ -435,6 +435,8 @@ def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:
             continue
         if constant and key in ("train.num_steps", "train.num_epochs"):
             continue
+        if key == "model.kwargs" and str(new.get("model.name", "")).startswith("instance:"):
+            continue  # a record of the instance passed in (which the checkpoint must fit)
         if key not in old and not key.startswith("optimizer.groups."):
             continue  # a key newer than the saved run
         if (key not in old and key.startswith("optimizer.groups.")

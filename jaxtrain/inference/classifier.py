@@ -118,7 +118,9 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
 
     Needs no data: the normalisation and class names are stored in the checkpoint.
     `model`: the Flax module instance a run was trained on through
-    train_and_evaluate(model=...) (a model.name is rebuilt, or imported, by itself).
+    train_and_evaluate(model=...), or its class ('package.module:ClassName', built as a
+    model.name is); without it a model.name is rebuilt, or imported, by itself, and so
+    is an instance's class when it can be imported and built to fit the checkpoint.
     `replica`: which replica of a train.replicas or sweep run (default: the one with
     the best test accuracy at that checkpoint's last evaluation). which='best': the
     best checkpoint by the run's checkpoint.best_metric instead of the newest.
@@ -160,11 +162,14 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         if which == "best":
             step = checkpoint.best_step(manager)
         meta = checkpoint.read_meta(manager, step)
-        if model is not None:
-            model = user.from_instance(model)
-        else:
+        recorded_class = model is None and config.model.name.startswith(user.INSTANCE_PREFIX)
+        if isinstance(model, str):  # a class, built as a model.name is
+            config.model.name = model
+        if model is None or isinstance(model, str):
             model = models.create_model(config.model, len(meta["class_names"]),
                                         checks.compute_dtype(precision or config.train.precision))
+        else:
+            model = user.from_instance(model)
         runs = replicas.runs(config)
         if runs is None and replica is not None:
             raise ValueError(f"replica={replica}: {workdir} holds a single run, not replicas")
@@ -178,8 +183,16 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
             train_state.create_train_state, model=model, tx=tx,
             image_shape=tuple(meta["image_shape"]), hyperparams=replicas.hyperparams(runs),
             replicas=runs is not None, ema=config.train.get("ema_decay") is not None), key)
-        state, _, meta = checkpoint.restore(manager, checkpoint.restore_target(abstract, device),
-                                            key, meta["step"])
+        try:
+            state, _, meta = checkpoint.restore(
+                manager, checkpoint.restore_target(abstract, device), key, meta["step"])
+        except checkpoint.CheckpointError as error:
+            if not recorded_class:
+                raise
+            raise checkpoint.CheckpointError(  # its class built by default: not the instance
+                f"{error}; this run trained a model passed from Python "
+                f"({config.model.name[len(user.INSTANCE_PREFIX):]}), which its class as built "
+                f"here is not: {user.PASS_IT_AGAIN}") from None
     finally:
         manager.close()
     if weights == "ema":
@@ -198,8 +211,9 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
 
 
 def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, precision=None,
-                pool_impl=None):
-    """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)."""
+                pool_impl=None, model=None):
+    """jaxtrain.restore for the --checkpoint flag's step ('best', a number, or the newest)
+    and the --model flag's class."""
     step, which = None, "latest"
     if checkpoint_flag == "best":
         which = "best"
@@ -209,7 +223,7 @@ def restore_for(workdir: str, checkpoint_flag, weights: str = "raw", tta=None, p
         step = int(checkpoint_flag)
         check_step(workdir, step)
     return restore(workdir, step=step, which=which, weights=weights, tta=tta,
-                                  precision=precision, pool_impl=pool_impl)
+                   precision=precision, pool_impl=pool_impl, model=model)
 
 
 def check_step(workdir: str, step: int) -> None:

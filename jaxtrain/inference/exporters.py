@@ -246,7 +246,8 @@ def file_preprocessing(classifier) -> dict:
 
 def export(workdir: str, format: str, out: str, batch: int | None = None, *,
            checkpoint: str | None = None, tta: str | None = None, weights: str = "raw",
-           precision: str = "float32", platforms=PLATFORMS, opset: int = ONNX_OPSET) -> dict:
+           precision: str = "float32", platforms=PLATFORMS, opset: int = ONNX_OPSET,
+           model=None) -> dict:
     """Writes the run's classifier to `out` (and `out`.json) and returns that JSON. tta:
     None = the run's eval.tta, as jaxtrain.predict and jaxtrain.restore use it."""
     check_format(format, precision)
@@ -254,7 +255,7 @@ def export(workdir: str, format: str, out: str, batch: int | None = None, *,
     check_writable(out)
     # lax's own max-pooling: ONNX's MaxPool, and the backend's pooling where it runs
     classifier = classifier_lib.restore_for(workdir, checkpoint, weights, tta, precision,
-                                            pool_impl="xla")
+                                            pool_impl="xla", model=model)
     return save(classifier, format, out, batch, tta, platforms, opset)
 
 

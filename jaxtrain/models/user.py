@@ -37,12 +37,37 @@ def instance_name(module) -> str:
     return f"{INSTANCE_PREFIX}{cls.__module__}:{cls.__qualname__}"
 
 
+def instance_kwargs(module) -> dict:
+    """What a Linen instance was built with, as far as JSON holds it (its dataclass fields
+    but num_classes, dtype and Flax's own): recorded as model.kwargs, so that its class,
+    when importable, is built the same again (an NNX instance keeps no such record)."""
+    if not (isinstance(module, nn.Module) and dataclasses.is_dataclass(module)):
+        return {}
+    plain = (bool, int, float, str, type(None))
+    kwargs = {}
+    for field in dataclasses.fields(module):
+        value = getattr(module, field.name, None)
+        if (field.init and field.name not in ("parent", "name", "num_classes", "dtype")
+                and (isinstance(value, plain) or isinstance(value, (tuple, list))
+                     and all(isinstance(v, plain) for v in value))):
+            kwargs[field.name] = value
+    return kwargs
+
+
+PASS_IT_AGAIN = ("pass it again: jaxtrain.restore(workdir, model=...), or on the command "
+                 "line --model=package.module:ClassName")
+
+
 def import_model_class(spec: str):
-    """The class 'package.module:ClassName' names; a ValueError says what is wrong."""
+    """The class 'package.module:ClassName' names (also 'instance:...', the class of an
+    instance a run was given); a ValueError says what is wrong."""
     if spec.startswith(INSTANCE_PREFIX):
-        raise ValueError(f"this run trained a model passed from Python "
-                         f"({spec[len(INSTANCE_PREFIX):]}): pass it again: "
-                         "jaxtrain.restore(workdir, model=...)")
+        try:
+            return import_model_class(spec[len(INSTANCE_PREFIX):])
+        except ValueError as error:
+            raise ValueError(f"this run trained a model passed from Python "
+                             f"({spec[len(INSTANCE_PREFIX):]}), whose class cannot be "
+                             f"imported here ({error}): {PASS_IT_AGAIN}") from None
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ValueError(f"model.name={spec!r}: expected 'package.module:ClassName'")

@@ -108,6 +108,7 @@ def run_config(config, workdir: str, model=None):
     if model is not None:
         with config.unlocked():
             config.model.name = user.instance_name(model)
+            config.model.kwargs = user.instance_kwargs(model) or config.model.get("kwargs", {})
     resume.check_resumable(workdir, config)
     return config
 
