@@ -286,6 +286,10 @@ def test_eight_devices_and_two_processes_match_one_device(tmp_path, cifar_batche
     assert "test_accuracy=" in first.stdout and "train_loss" in first.stdout
     assert "processes=2" in first.stdout
     assert "test_accuracy=" not in second.stdout and "train_loss" not in second.stdout
+    # gloo's connection lines go to a log file each, not into the console table
+    for i, result in enumerate((first, second)):
+        assert "[Gloo]" not in result.stdout + result.stderr
+        assert "[Gloo] Rank" in (two_processes / f"gloo-process{i}.log").read_text()
 
     # a checkpoint from 8 devices (one process or two) evaluates on one
     for workdir in (eight_devices, two_processes):

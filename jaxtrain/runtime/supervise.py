@@ -5,7 +5,8 @@ A process whose peer dies in the middle of a collective can end inside JAX's run
 'gloo::EnforceNotMet'`, then `Fatal Python error: Aborted`, a page of thread dumps, exit
 134) before its heartbeat watch (processes.watch_peers) sees the peer gone. Nothing in
 that process outlives it; this parent does. It runs the same command as its child,
-passes stdout and stderr through, and when the child ends natively it keeps the native
+passes stdout and stderr through (but for gloo's connection lines, which go to a log file in
+the workdir instead of the console table), and when the child ends natively it keeps the native
 report in a file and says what happened in one line with exit status 75 (rerun every
 process), as a lost peer's heartbeat does. Signals sent to it reach the child, and a
 parent that is killed takes its child with it (Linux: PR_SET_PDEATHSIG).
@@ -27,6 +28,8 @@ NATIVE_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, 
 NATIVE_START = re.compile(rb"^(terminate called|Fatal Python error|\*\*\* |F\d{4} \d)", re.M)
 # Schedulers whose task count > 1 makes a multi-process run (JAX auto-detects the rest).
 CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+# What gloo prints (C++, to stdout) as each collective's processes connect.
+GLOO_LINE = b"[Gloo] "
 
 
 def flag_value(argv, name: str):
@@ -84,8 +87,13 @@ def run(argv=None) -> int:
     command = [sys.executable, *(argv if argv is not None else sys.orig_argv[1:])]
     handle, info_file = tempfile.mkstemp(prefix="jaxtrain-process-", suffix=".json")
     os.close(handle)
-    child = subprocess.Popen(command, env={**os.environ, ENV: info_file},
-                             stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+    # Unbuffered: through the pipe, each line reaches the console as it would unpiped.
+    child = subprocess.Popen(command, env={**os.environ, ENV: info_file, "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=_die_with_parent)
+    import threading
+    stdout = threading.Thread(target=relay_stdout, args=(child.stdout.fileno(), info_file))
+    stdout.start()
 
     def forward(signum, frame):
         if child.poll() is None:
@@ -94,6 +102,7 @@ def run(argv=None) -> int:
         signal.signal(signum, forward)
     native = relay(child.stderr.fileno())
     status = child.wait()
+    stdout.join()
     try:
         with open(info_file) as f:
             info = json.load(f)
@@ -138,6 +147,45 @@ def relay(fd: int) -> bytes | None:
     out.write(pending)
     out.flush()
     return native
+
+
+def relay_stdout(fd: int, info_file: str) -> None:
+    """Copies the child's stdout to this process's line by line, but for gloo's lines,
+    which go to WORKDIR/gloo-process<N>.log once the child has said where its run
+    writes (supervise.tell; until then they wait here)."""
+    out, pending, held = sys.stdout.buffer, b"", []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except InterruptedError:
+            continue
+        pending += data
+        *lines, pending = pending.split(b"\n") if data else (*pending.split(b"\n"), b"")
+        for line in lines:
+            if line.startswith(GLOO_LINE):
+                held.append(line)
+            elif line or data:
+                out.write(line + b"\n")
+        out.flush()
+        held = log_gloo_lines(held, info_file)
+        if not data:
+            return
+
+
+def log_gloo_lines(lines: list, info_file: str) -> list:
+    """Appends `lines` to the workdir's gloo log once the child has named it; returns
+    those it could not write yet."""
+    if not lines:
+        return lines
+    try:
+        with open(info_file) as f:
+            info = json.load(f)
+        with open(os.path.join(info["workdir"], f"gloo-process{info['process']}.log"),
+                  "ab") as log:
+            log.write(b"".join(line + b"\n" for line in lines))
+    except (OSError, ValueError, KeyError):
+        return lines  # not said yet (or the info file is gone: the child has ended)
+    return []
 
 
 def report(native: bytes, status: int, info: dict, argv) -> None:
