@@ -235,3 +235,36 @@ def test_the_python_page_s_script_runs_as_printed(tmp_path):
     exported = session.run(None, {"images": images})[0]
     np.testing.assert_allclose(exported, classifier.predict(images)[1], atol=1e-4)
     assert json.loads((tmp_path / "fashion_mlp.onnx.json").read_text())["format"] == "onnx"
+
+
+# ---------------------------------------------------------------- README's headline table
+
+def test_the_readme_s_headline_figures_are_the_committed_results():
+    """Each figure of README's first table is the one in benchmarks/results/."""
+    results = REPO / "benchmarks" / "results"
+    h200 = json.loads((results / "h200.json").read_text())["items"]
+    rerun = json.loads((results / "h200_rerun.json").read_text())["items"]
+    cpu = json.loads((results / "cpu_speed.json").read_text())["recipes"]
+    jax_run, torch_run = h200["compare_speedrun"]["result"]["results"]
+    jax_resnet, torch_resnet = rerun["finetune_resnet50_224"]["result"]["results"]
+    assert (jax_run["framework"], torch_run["framework"]) == ("jax", "torch_fast")
+    assert (jax_resnet["framework"], torch_resnet["framework"]) == ("jax", "torch_fast")
+    expected = {
+        "configs/cifar_speedrun.py": (
+            f"**{jax_run['train_seconds']:.3f} s**, {jax_run['test_accuracy']:.2%}",
+            f"{torch_run['train_seconds']:.3f} s, {torch_run['test_accuracy']:.2%} "
+            "(`torch.compile`)", "H200"),
+        "configs/finetune.py": (f"**{jax_resnet['images_per_second']:,.0f}**",
+                                f"{torch_resnet['images_per_second']:,.0f} (`torch.compile`)",
+                                "H200"),
+        **{f"configs/{name}.py": (f"**{cpu[name]['jax_seconds']:.2f} s**",
+                                  f"{cpu[name]['torch_fast_seconds']:.2f} s", "2-core CPU")
+           for name in ("fashion_mnist_mlp", "cifar_seed_cnn", "fashion_mnist_cnn")}}
+    section = (REPO / "README.md").read_text().split("## Headline figures")[1].split("\n## ")[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| ") and "`configs/" in line]
+    assert len(rows) == len(expected)
+    for measured, jax_cell, torch_cell, where in rows:
+        config = re.search(r"`(configs/\w+\.py)", measured)[1]
+        assert (jax_cell, torch_cell, where.split(",")[0]) == expected[config], measured
+    assert h200["compare_speedrun"]["result"]["results"][0]["device"] == "NVIDIA H200"
