@@ -203,7 +203,8 @@ print(json.dumps(results))
 
 
 ANY_VALUE = ("data.dir", "train.compilation_cache", "seed", "logging.mlflow", "logging.wandb",
-             "logging.mlflow_experiment", "model.init_from", "model.init_from_exclude")
+             "logging.mlflow_experiment", "logging.mlflow_registered_model", "model.init_from",
+             "model.init_from_exclude")
 
 
 @pytest.mark.slow

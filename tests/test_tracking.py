@@ -4,8 +4,10 @@ import glob
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +37,12 @@ def test_mlflow_holds_the_params_every_row_the_summary_and_the_artifacts(cifar_b
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = short_config(cifar_batches_dir, logging__mlflow=uri)
+    config = short_config(cifar_batches_dir, logging__mlflow=uri,
+                          logging__mlflow_registered_model="tiny-mlp")
     summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
     out, err = capfd.readouterr()  # a new store's set-up says nothing between the rows
     assert "INFO" not in out + err and "database tables" not in out + err
+    assert "registered the model as 'tiny-mlp' version 1 (models:/tiny-mlp/1)" in out
     client = mlflow.MlflowClient(uri)
     experiment = client.get_experiment_by_name("jaxtrain")
     (run,) = client.search_runs([experiment.experiment_id])
@@ -57,8 +61,11 @@ def test_mlflow_holds_the_params_every_row_the_summary_and_the_artifacts(cifar_b
     # the model: the final checkpoint as a workdir of its own, which restore takes
     model = client.download_artifacts(run.info.run_id, "model", str(tmp_path / "downloaded"))
     images = cifar_subset["x_test"][:20]
-    np.testing.assert_array_equal(jaxtrain.restore(model).predict(images)[1],
-                                  jaxtrain.restore(str(tmp_path / "run")).predict(images)[1])
+    expected = jaxtrain.restore(str(tmp_path / "run")).predict(images)[1]
+    np.testing.assert_array_equal(jaxtrain.restore(model).predict(images)[1], expected)
+    # and an MLflow Model, by the run and by the registry
+    assert_mlflow_model_predicts(uri, f"runs:/{run.info.run_id}/model", images, expected)
+    assert_mlflow_model_predicts(uri, "models:/tiny-mlp/1", images, expected)
     # Artifacts beside the database, not in the current directory.
     assert experiment.artifact_location.startswith(f"file://{tmp_path / 'mlflow-artifacts'}")
     # A rerun of the finished run logs into the same MLflow run, nothing twice.
@@ -66,6 +73,22 @@ def test_mlflow_holds_the_params_every_row_the_summary_and_the_artifacts(cifar_b
     (again,) = client.search_runs([experiment.experiment_id])
     assert again.info.run_id == run.info.run_id
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == len(rows)
+
+
+def assert_mlflow_model_predicts(tracking_uri: str, uri: str, images, expected) -> None:
+    """The MLflow Model at `uri` of the store at `tracking_uri` (its pyfunc: onnxruntime, no
+    jaxtrain) gives restore's probabilities, and says what it takes."""
+    import mlflow
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        model = mlflow.pyfunc.load_model(uri)
+    finally:
+        mlflow.set_tracking_uri(previous)
+    inputs = model.metadata.get_input_schema().inputs
+    assert [(spec.name, str(spec.type), spec.shape) for spec in inputs] == [
+        ("images", "uint8", (-1, *images.shape[1:]))]
+    np.testing.assert_allclose(model.predict(images)["probabilities"], expected, atol=1e-4)
 
 
 def wandb_records(path: str) -> list:
@@ -185,3 +208,49 @@ def test_a_run_ended_by_a_signal_or_a_failure_ends_killed_or_failed(ending, cifa
     assert exits == [128 + signal.SIGTERM if ending == "signal" else 1]
     preempting = [r for r in records if r.WhichOneof("record_type") == "preempting"]
     assert bool(preempting) == (ending == "signal")
+
+
+@pytest.mark.slow
+def test_a_run_logs_and_registers_its_model_on_a_real_mlflow_server(cifar_batches_dir, tmp_path,
+                                                                   cifar_subset):
+    """`mlflow server` (the full mlflow package) on 127.0.0.1, started here and stopped by
+    its PID: the run's rows, its MLflow Model and the registered version go through its
+    REST API, and its artifacts land where the server keeps them."""
+    import urllib.request
+
+    import mlflow
+    from conftest import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    served = tmp_path / "served-artifacts"
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
+         url.rsplit(":", 1)[1], "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(served), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job workers
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the MLflow server did not start"
+                time.sleep(0.2)
+        config = short_config(cifar_batches_dir, logging__mlflow=url,
+                              logging__mlflow_registered_model="served-mlp")
+        summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
+        client = mlflow.MlflowClient(url)
+        (run,) = client.search_runs([client.get_experiment_by_name("jaxtrain").experiment_id])
+        assert run.info.status == "FINISHED"
+        assert run.data.metrics["summary/test_accuracy"] == summary["test_accuracy"]
+        images = cifar_subset["x_test"][:20]
+        expected = jaxtrain.restore(str(tmp_path / "run")).predict(images)[1]
+        assert_mlflow_model_predicts(url, "models:/served-mlp/1", images, expected)
+        assert list(served.rglob("MLmodel")) and list(served.rglob("model.onnx"))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn worker
+        server.wait(timeout=60)
+        log.close()

@@ -261,6 +261,8 @@ RANGES = {
     "logging.mlflow": (lambda v: isinstance(v, str), "'' (off) or an MLflow tracking URI"),
     "logging.mlflow_experiment": (lambda v: isinstance(v, str) and v != "",
                                   "an experiment name"),
+    "logging.mlflow_registered_model": (lambda v: isinstance(v, str),
+                                        "'' (not registered) or a registered model's name"),
     "logging.wandb": (lambda v: isinstance(v, str), "'' (off) or a W&B project name"),
     "logging.wandb_mode": (_one_of("offline", "online"), "'offline' or 'online'"),
     "eval.batch_size": (_at_least(1, True), "an int >= 1"),

@@ -189,6 +189,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.logging = ml_collections.ConfigDict()
     config.logging.mlflow = ""       # an MLflow tracking URI, e.g. 'sqlite:///runs/mlflow.db'; '' = off
     config.logging.mlflow_experiment = "jaxtrain"  # the MLflow experiment the run goes into
+    config.logging.mlflow_registered_model = ""  # a name: the run's MLflow Model registered as
+                                                 # a new version of it; '' = not registered
     config.logging.wandb = ""        # a Weights & Biases project; '' = off
     config.logging.wandb_mode = "offline"  # 'offline' (no network; `wandb sync` later) | 'online'
 

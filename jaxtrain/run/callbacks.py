@@ -68,8 +68,9 @@ def trackers(logging_config) -> list:
     """The trackers config.logging asks for (none: neither tracker's package imported)."""
     made = []
     if logging_config.get("mlflow"):
-        made.append(mlflow_tracker.MLflowTracker(logging_config.mlflow,
-                                                 logging_config.mlflow_experiment))
+        made.append(mlflow_tracker.MLflowTracker(
+            logging_config.mlflow, logging_config.mlflow_experiment,
+            logging_config.get("mlflow_registered_model", "")))
     if logging_config.get("wandb"):
         made.append(wandb_tracker.WandbTracker(logging_config.wandb, logging_config.wandb_mode))
     return made

@@ -1,9 +1,15 @@
 """MLflowTracker (logging.mlflow): params, rows, the summary, summary.json and curves.png as
-artifacts, and the model: the final checkpoint with the run's config.json under `model/`,
-a folder jaxtrain.restore takes once downloaded. mlflow is imported only when the key is
-set (pip install 'jaxtrain[mlflow]'), and its INFO lines are kept off the console."""
+artifacts, and the model under `model/`: an MLflow Model (the classifier exported to ONNX,
+with its preprocessing, through MLflow's onnx flavour: mlflow.pyfunc.load_model(uri)
+.predict(uint8 NHWC images)["probabilities"]), registered as a new version of
+logging.mlflow_registered_model when that names one, and in the same folder the final
+checkpoint with the run's config.json, which jaxtrain.restore takes once downloaded.
+mlflow is imported only when the key is set (pip install 'jaxtrain[mlflow]'), and its INFO
+lines are kept off the console."""
 import logging
 import os
+import sys
+import tempfile
 
 from jaxtrain.callbacks.trackers import tracker
 from jaxtrain.runtime import report
@@ -14,11 +20,11 @@ class MLflowTracker(tracker.Tracker):
     """logging.mlflow = a tracking URI (e.g. 'sqlite:///runs/mlflow.db', a server's URL)."""
     name = "mlflow"
 
-    def __init__(self, uri: str, experiment: str = "jaxtrain"):
+    def __init__(self, uri: str, experiment: str = "jaxtrain", registered_model: str = ""):
         self.mlflow = tracker.import_optional("mlflow", "mlflow")
         for name in ("mlflow", "alembic"):  # a new store's set-up logs at INFO, mid-table
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.uri, self.experiment = uri, experiment
+        self.uri, self.experiment, self.registered_model = uri, experiment, registered_model
 
     def start(self, run, run_id):
         mlflow = self.mlflow
@@ -70,11 +76,61 @@ class MLflowTracker(tracker.Tracker):
         self.client.set_terminated(self.run_id, "KILLED" if signum else "FAILED")
 
     def log_model(self, workdir: str, step: int) -> None:
-        """model/config.json and model/checkpoints/STEP: the run's final weights as a
-        workdir of their own (jaxtrain.restore, --mode=eval, predict and export take it)."""
+        """model/: the MLflow Model of the run's final weights (registered when asked), and
+        model/config.json with model/checkpoints/STEP, the same weights as a workdir of
+        their own (jaxtrain.restore, --mode=eval, predict and export take it)."""
         config = os.path.join(workdir, checkpoint.CONFIG_FILE)
         saved = os.path.join(checkpoint.checkpoint_dir(workdir), str(step))
         if not (os.path.isfile(config) and os.path.isdir(saved)):
             return
+        with tempfile.TemporaryDirectory() as folder:
+            logged = self.save_mlflow_model(workdir, step, os.path.join(folder, "model"))
+            if logged:
+                self.client.log_artifacts(self.run_id, os.path.join(folder, "model"), "model")
         self.client.log_artifact(self.run_id, config, "model")
         self.client.log_artifacts(self.run_id, saved, f"model/checkpoints/{step}")
+        if logged and self.registered_model:
+            self.register()
+
+    def save_mlflow_model(self, workdir: str, step: int, path: str) -> bool:
+        """The classifier of checkpoint `step` with the run's TTA, exported to ONNX, saved
+        at `path` as an MLflow Model with its signature; a model the exporter cannot take
+        (or a missing export extra) is one warning line and False."""
+        import numpy as np
+        from mlflow.models import ModelSignature
+        from mlflow.types.schema import Schema, TensorSpec
+
+        from jaxtrain.inference import classifier as classifier_lib
+        from jaxtrain.inference import exporters
+        classifier = classifier_lib.restore(workdir, step=step, pool_impl="xla")
+        try:
+            import onnx
+            model = onnx.load_from_string(exporters.to_onnx(classifier))
+        except (ImportError, exporters.ExportError) as error:
+            print(f"warning: logging.mlflow: the run's model/ holds its checkpoint but no "
+                  f"MLflow Model: {str(error).splitlines()[0]}", file=sys.stderr, flush=True)
+            return False
+        signature = ModelSignature(
+            inputs=Schema([TensorSpec(np.dtype(np.uint8), (-1, *classifier.image_shape),
+                                      "images")]),
+            outputs=Schema([TensorSpec(np.dtype(np.float32),
+                                       (-1, len(classifier.class_names)), "probabilities")]))
+        from importlib import metadata
+        needs = [f"{name}=={metadata.version(name)}" for name in ("onnx", "onnxruntime")]
+        self.mlflow.onnx.save_model(model, path, signature=signature, pip_requirements=needs,
+                                    metadata={"class_names": list(classifier.class_names),
+                                              "step": step})  # needs: not inferred (3 s)
+        return True
+
+    def register(self) -> None:
+        """model/ as a new version of logging.mlflow_registered_model (made if new)."""
+        name = self.registered_model
+        try:
+            self.client.create_registered_model(name)
+        except self.mlflow.exceptions.MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
+        version = self.client.create_model_version(name, source, self.run_id)
+        print(f"logging.mlflow: registered the model as {name!r} version {version.version} "
+              f"(models:/{name}/{version.version})", flush=True)
