@@ -48,8 +48,9 @@ def define_flags():
     flags.DEFINE_string("platforms", ",".join(exporters.PLATFORMS), "stablehlo: the platforms to "
                         "lower for, comma-separated (cpu, cuda, rocm, tpu).")
     flags.DEFINE_integer("opset", exporters.ONNX_OPSET, "onnx: the ONNX opset to write, from "
-                         f"{exporters.MIN_ONNX_OPSET} to {exporters.ONNX_OPSET} (older "
-                         "runtimes and converters read the older ones).")
+                         f"{exporters.MIN_ONNX_OPSET} ({exporters.MIN_TTA_OPSET} with TTA "
+                         f"inside) to {exporters.ONNX_OPSET}: older runtimes and converters "
+                         "read the older ones.")
     flags.mark_flags_as_required(["format", "out"])
     from jaxtrain import predict
     predict.define_model_flag()

@@ -1,4 +1,6 @@
 """Every config key has a bad-value error that names it (checks.check_config)."""
+from pathlib import Path
+
 import pytest
 
 from configs import cifar_speedrun, default
@@ -57,3 +59,10 @@ def test_a_recipe_loads_by_name_or_path_and_a_wrong_one_is_one_line(tmp_path):
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match="defines get_config"):
         config_lib.load(str(tmp_path / "empty.py"))
+    # an installed jaxtrain carries them: pyproject.toml's packages are setuptools' find of
+    # jaxtrain*, which follows the recipes/ link to configs/
+    import setuptools
+    repo = Path(__file__).resolve().parents[1]
+    assert "jaxtrain.recipes" in setuptools.find_packages(str(repo), include=["jaxtrain*"])
+    assert (repo / "jaxtrain" / "recipes" / "cifar_speedrun.py").samefile(
+        repo / "configs" / "cifar_speedrun.py")

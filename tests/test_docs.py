@@ -221,19 +221,22 @@ def test_the_python_page_s_script_runs_as_printed(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     workdir = tmp_path / "runs" / "fashion_py"
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
-    assert summary["steps"] == 468 and summary["test_accuracy"] > 0.8
+    assert summary["steps"] == 468 and summary["test_accuracy"] > 0.8  # chance: 0.1
+    assert summary["param_count"] == 248734  # the article's 784-256-128-100-10 with BatchNorm
     assert f"test accuracy {summary['test_accuracy']:.2%} after 468 steps" in done.stdout
     evaluations = [row for row in report.read_metrics(str(workdir)) if "test_loss" in row]
     assert [row["step"] for row in evaluations] == [200, 400, 468]
     for row in evaluations:
         assert f"step {row['step']}: test_accuracy {row['test_accuracy']:.2%}" in done.stdout
-    assert len(re.findall(r"^item\d\.png is \('", done.stdout, re.M)) == 4
+    # each file's class and probability (restore's predict_files) as the ONNX file gives them
+    printed = re.findall(r"^item(\d)\.png is \('([^']+)', ([\d.e-]+)\)", done.stdout, re.M)
+    assert [int(i) for i, _, _ in printed] == [0, 1, 2, 3]
     import jaxtrain
-    classifier = jaxtrain.restore(str(workdir), pool_impl="xla")
-    images = jaxtrain.load("fashion_mnist").x_test[:16]
+    test = jaxtrain.load("fashion_mnist")
     session = onnxruntime.InferenceSession(str(tmp_path / "fashion_mlp.onnx"))
-    exported = session.run(None, {"images": images})[0]
-    np.testing.assert_allclose(exported, classifier.predict(images)[1], atol=1e-4)
+    exported = session.run(None, {"images": test.x_test[:4]})[0]
+    assert [name for _, name, _ in printed] == [test.class_names[i] for i in exported.argmax(1)]
+    np.testing.assert_allclose([float(p) for _, _, p in printed], exported.max(1), atol=1e-4)
     assert json.loads((tmp_path / "fashion_mlp.onnx.json").read_text())["format"] == "onnx"
 
 

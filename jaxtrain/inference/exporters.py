@@ -33,9 +33,8 @@ from jaxtrain.inference import classifier as classifier_lib
 FORMATS = ("onnx", "stablehlo")
 PLATFORMS = ("cpu", "cuda")  # what a StableHLO export is lowered for by default
 ONNX_OPSET = 23  # the default --opset: the newest jax2onnx 0.12.5 writes
-# The oldest it writes every model and TTA of jaxtrain in: at 13 and 14 its TTA's Shape
-# nodes carry `start`, an attribute of opset 15.
-MIN_ONNX_OPSET = 15
+MIN_ONNX_OPSET = 13  # the oldest it writes these models in (at 11 its Squeeze has no axes input)
+MIN_TTA_OPSET = 15  # with TTA inside: its Shape nodes carry `start`, an attribute of opset 15
 JAX2ONNX_VERSIONS = "jax2onnx 0.12.5"  # what the `export` extra pins (0.13-0.17 pin an older orbax)
 
 
@@ -104,7 +103,7 @@ def to_onnx(classifier, batch: int | None = None, tta: str | None = None,
     except ImportError as error:
         raise ExportError(f"--format=onnx needs jax2onnx and onnx ({error.name} is missing): "
                           "pip install 'jaxtrain[export]'") from None
-    check_opset(opset)
+    check_opset(opset, classifier.tta if tta is None else tta)
     spec = input_spec(classifier, batch, "batch")
     with quiet_exporter():
         try:
@@ -118,10 +117,14 @@ def to_onnx(classifier, batch: int | None = None, tta: str | None = None,
     return model.SerializeToString()
 
 
-def check_opset(opset: int) -> None:
+def check_opset(opset: int, tta: str = "none") -> None:
     if not MIN_ONNX_OPSET <= opset <= ONNX_OPSET:
         raise ExportError(f"--opset={opset}: jax2onnx writes these models at opsets "
                           f"{MIN_ONNX_OPSET} to {ONNX_OPSET}")
+    if tta != "none" and opset < MIN_TTA_OPSET:
+        raise ExportError(f"--opset={opset}: the test-time augmentation inside the export "
+                          f"(tta={tta!r}) needs opset {MIN_TTA_OPSET} or later: --tta=none, "
+                          f"or --opset={MIN_TTA_OPSET}")
 
 
 def onnx_failure(error: Exception) -> str:
