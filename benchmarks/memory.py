@@ -75,7 +75,8 @@ class TimedStep:
         from jaxtrain.runtime import mesh
         from jaxtrain.training import prepare
         from jaxtrain.training import placement
-        run = prepare.setup(config, placement.create_mesh(config))  # initialised, laid out
+        # initialised, laid out
+        run = prepare.setup(config, placement.create_mesh(config.parallel.fsdp))
         self.compiled, _ = memory.compile_step(config, run)
         self.state = run.state
         batch = config.train.batch_size

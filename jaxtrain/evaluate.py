@@ -63,7 +63,7 @@ def evaluate_checkpoint(config, workdir: str, checkpoint_path: str | None = None
     if restored is None:
         raise checkpoint.CheckpointError(f"no checkpoint in {directory}")
     state = restored[0]
-    eval_arrays = placement.put_eval_data(config, run)
+    eval_arrays = placement.put_eval_data(config.eval.batch_size, run)
     evaluate = prepare.compile_eval(config, run, state, eval_arrays)
     with report.evaluation_progress(evaluate.batches, processes.is_main_process()) as bar:
         metrics = jax.device_get(evaluate(state, *eval_arrays, progress=bar.update))

@@ -53,7 +53,7 @@ def captured_state(workdir: str):
     from jaxtrain.training import checkpoint, prepare
     from jaxtrain.training import placement
     config = config_for(json.loads(open(f"{workdir}/spec.json").read()))
-    mesh = placement.create_mesh(config)
+    mesh = placement.create_mesh(config.parallel.fsdp)
     run = prepare.setup(config, mesh, abstract_state=True)
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False)
     try:

@@ -205,7 +205,7 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     config.optimizer.weight_decay = 5e-3
     config.train.label_smoothing = 0.2
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = inputs_lib.channel_stats(dataset, config)
+    mean, std = inputs_lib.channel_stats(dataset, config.data)
     images, labels = dataset.x_train[:32], dataset.y_train[:32]
     shape = dataset.image_shape
 
@@ -495,8 +495,8 @@ def test_torch_fast_trains_the_record_recipe_in_bfloat16(cifar_batches_dir):
     config = record_config(cifar_batches_dir, train__precision="bfloat16", train__batch_size=50,
                            augment__rotate=10.0, augment__cutout=6)
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = inputs_lib.channel_stats(dataset, config)
-    stem_kernel = model_state.whitening_fn(config, mean, std)(
+    mean, std = inputs_lib.channel_stats(dataset, config.data)
+    stem_kernel = model_state.whitening_fn(config.model, mean, std)(
         dataset.x_train[:whitening.WHITENING_IMAGES])
     result = runner.run_torch_fast(config, dataset, mean, std, total_steps=4,
                                    stem_kernel=stem_kernel, bfloat16=True)
@@ -869,7 +869,7 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
         r"(.*/)?BatchNorm_\d+/(scale|bias)|Dense_0/bias", weight_decay=0.0, lr_scale=0.5)
     config.train.label_smoothing = 0.2
     dataset = data.load("cifar10", "files", str(cifar_batches_dir))
-    mean, std = inputs_lib.channel_stats(dataset, config)
+    mean, std = inputs_lib.channel_stats(dataset, config.data)
     images, labels = dataset.x_train[:8], dataset.y_train[:8]
     inputs = (images / 255.0 - np.asarray(mean)) / np.asarray(std)  # float64, NHWC
     shape = dataset.image_shape

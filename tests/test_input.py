@@ -154,7 +154,8 @@ def test_a_streamed_folders_statistics_come_from_a_sample(cifar_jpeg_folder):
     np.testing.assert_array_equal(dataset.y_train, decoded.y_train)
     config = small_config(cifar_jpeg_folder, data__mean=(), data__std=())
     # 640 images < STATS_IMAGES: the sample is the whole split, so the statistics are equal
-    assert inputs.channel_stats(dataset, config) == inputs.channel_stats(decoded, config)
+    assert (inputs.channel_stats(dataset, config.data)
+            == inputs.channel_stats(decoded, config.data))
 
 
 def test_random_resized_crops_depend_on_seed_epoch_and_image_only(imagenet_folder):

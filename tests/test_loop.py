@@ -96,7 +96,7 @@ def test_channel_statistics_equal_numpy_over_the_whole_split():
     images[:, :, :, 2] //= 3  # channels differ
     dataset = type("D", (), {"x_train": images, "image_shape": (8, 8, 3)})()
     config = type("C", (), {"data": type("Data", (), {"mean": (), "std": ()})()})()
-    mean, std = inputs.channel_stats(dataset, config)
+    mean, std = inputs.channel_stats(dataset, config.data)
     np.testing.assert_allclose(mean, (images / 255.0).mean(axis=(0, 1, 2)), rtol=1e-9)
     np.testing.assert_allclose(std, (images / 255.0).std(axis=(0, 1, 2)), rtol=1e-9)
 

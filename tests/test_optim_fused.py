@@ -120,7 +120,7 @@ def test_flattened_groups_train_the_speedrun_bit_for_bit_in_fewer_kernels(
         cifar_batches_dir, tmp_path):
     config = narrow_speedrun(cifar_batches_dir, train__num_steps=20)
     flat_config = with_keys(config, flatten=True)
-    run = prepare.setup(config, placement.create_mesh(config))
+    run = prepare.setup(config, placement.create_mesh(config.parallel.fsdp))
     # the flat run's initial state: the same weights, its optimiser's state (as setup makes it)
     tx = replicas.create_optimizer(flat_config, run.total_steps, FROZEN)
     initial = run.state.replace(tx=tx, opt_state=tx.init(run.state.params))

@@ -170,7 +170,7 @@ def test_the_benchmark_s_one_program_drops_the_gradient_after_the_cut(cifar_batc
     config = narrow_speedrun(cifar_batches_dir, train__drop_finished_groups=True)
     run = prepare.setup(config, abstract_state=True)
     x_train, y_train = placement.put_train_data(run)
-    eval_arrays = placement.put_eval_data(config, run)
+    eval_arrays = placement.put_eval_data(config.eval.batch_size, run)
     whole_run = benchmark.whole_run_fn(config, run, with_weights=True)
     program = jax.jit(lambda *args: whole_run(*args)[1]).lower(
         np.int32(SEED), x_train, y_train, eval_arrays).compile()

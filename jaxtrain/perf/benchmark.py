@@ -181,7 +181,7 @@ def benchmark(config, runs: int, warmup: int = 1, first_seed=None, devices: int 
                               config.train.accumulate_steps)
     run = device_resident(prepare.setup(config, mesh, abstract_state=True), "the benchmark")
     x_train, y_train = placement.put_train_data(run)
-    eval_arrays = placement.put_eval_data(config, run)
+    eval_arrays = placement.put_eval_data(config.eval.batch_size, run)
     replicated = mesh_lib.replicated(run.mesh)
     program = jax.jit(whole_run_fn(config, run), out_shardings=replicated)
     start = time.perf_counter()
@@ -254,7 +254,7 @@ def whole_run_fn(config, run, **kwargs):
     return functools.partial(
         whole_run, model=run.model, tx=run.state.tx, image_shape=run.dataset.image_shape,
         state_sharding=mesh_lib.replicated(run.mesh),
-        whiten=(model_state.whitening_fn(config, run.mean, run.std)
+        whiten=(model_state.whitening_fn(config.model, run.mean, run.std)
                 if whitening.has_whitened_stem(config.model) else None),
         steps_per_epoch=run.steps_per_epoch,
         total_steps=run.total_steps, spec=prepare.step_spec(config, run),
@@ -367,7 +367,9 @@ def input_only(config, batches: int = 50, stream=sys.stdout) -> dict:
         config.data.placement = "stream"
     run = prepare.setup(config, abstract_state=True)
     placement.check_batch_split(config.train.batch_size, run.mesh)
-    source = inputs.open_stream(config, run, run.data_key)
+    source = inputs.open_stream(run, run.data_key, batch_size=config.train.batch_size,
+                                workers=config.data.workers, augment_config=config.augment,
+                                seed=config.seed)
     try:
         start = time.perf_counter()
         source.open(0)

@@ -128,7 +128,7 @@ def inspect(config, steps: int = 10, profile_dir: str | None = None, repeats: in
     `repeats` timed chunks. The step's optimised HLO text is written (gzip) to
     `hlo_file`, else into `profile_dir` (HLO_FILE), so a trace's op names can be looked
     up in it."""
-    mesh = placement.create_mesh(config)
+    mesh = placement.create_mesh(config.parallel.fsdp)
     placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     run = benchmark.device_resident(prepare.setup(config, mesh), "--inspect")
     x_train, y_train = placement.put_train_data(run)

@@ -71,7 +71,7 @@ def bytes_on_one_device(tree, shardings) -> int:
 def compile_step(config, run=None):
     """(step.train_step compiled for `config`'s shapes and layouts, the Setup)."""
     if run is None:
-        mesh = placement.create_mesh(config)
+        mesh = placement.create_mesh(config.parallel.fsdp)
         placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
         # The state's shapes do not depend on the batch: set up with the smallest batch
         # the layout takes, so a batch larger than the training split is sized too.

@@ -29,7 +29,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     so far (session.Times), whether chunks run paced from the start)."""
     main_process = processes.is_main_process()
     cache_dir = xla_cache.enable(config.train.compilation_cache)
-    mesh = placement.create_mesh(config)
+    mesh = placement.create_mesh(config.parallel.fsdp)
     placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
     run, manager, state, data_key, meta = restore_or_init(config, workdir, model, clock, mesh,
@@ -43,7 +43,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     signals.enter_phase(f"compiling; nothing trained in this run yet (checkpoints in "
                         f"{manager.directory})")
 
-    eval_arrays = placement.put_eval_data(config, run)
+    eval_arrays = placement.put_eval_data(config.eval.batch_size, run)
     save_every = plan_lib.save_interval(config.checkpoint, run.steps_per_epoch)
     traced = plan_lib.profile_window(start_step, run.total_steps, profile_steps)
     if profile_steps and traced is None and main_process:
@@ -201,7 +201,9 @@ def start_input(config, run: prepare.Setup, data_key, manager, meta: dict, start
     stream opened at start_step, from the checkpoint's Grain state when resuming, None)."""
     if run.placement != "stream":
         return None, placement.put_train_data(run)
-    stream = inputs.open_stream(config, run, data_key)
+    stream = inputs.open_stream(run, data_key, batch_size=config.train.batch_size,
+                                workers=config.data.workers, augment_config=config.augment,
+                                seed=config.seed)
     if start_step < run.total_steps:
         if "step" in meta:
             resume.resume_stream(stream, manager, meta, start_step)

@@ -40,11 +40,11 @@ def steps(train_config, num_images: int, devices: int) -> tuple[int, int]:
     return steps_per_epoch, total_steps
 
 
-def channel_stats(dataset: data.Dataset, config, trained_with=None) -> tuple[tuple, tuple]:
-    """data.mean/data.std from the config, else those pretrained weights were trained
-    with (`trained_with`: (mean, std), model.init_from's), else computed from the
-    training split."""
-    mean, std = tuple(config.data.mean), tuple(config.data.std)
+def channel_stats(dataset: data.Dataset, data_config, trained_with=None) -> tuple[tuple, tuple]:
+    """data.mean/data.std (`data_config`: the config's data block), else those pretrained
+    weights were trained with (`trained_with`: (mean, std), model.init_from's), else
+    computed from the training split."""
+    mean, std = tuple(data_config.mean), tuple(data_config.std)
     if trained_with is not None:
         mean, std = mean or tuple(trained_with[0]), std or tuple(trained_with[1])
     channels = dataset.image_shape[-1]
@@ -100,18 +100,21 @@ def tta_image_count(fraction: float, num_images: int):
     return None if count == num_images else count
 
 
-def open_stream(config, run, data_key) -> batches.Stream:
+def open_stream(run, data_key, *, batch_size: int, workers: int, augment_config,
+                seed: int) -> batches.Stream:
     """The training split as an batches.Stream for this run: Grain worker processes for
-    a folder (data.workers, 0: one per core), threads for arrays already in memory."""
+    a folder (`workers`: data.workers, 0: one per core; with augment.crop's random crops
+    seeded by `seed`), threads for arrays already in memory."""
     images = run.dataset.x_train
-    workers = 0
     if isinstance(images, folder_stream.FolderImages):
-        workers = config.data.workers or folder_stream.folder._cpu_count()
-        if config.augment.crop != "none":
-            images = images.with_random_crop(config.seed, config.augment.crop_scale,
-                                             config.augment.crop_ratio, config.augment.flip)
+        workers = workers or folder_stream.folder._cpu_count()
+        if augment_config.crop != "none":
+            images = images.with_random_crop(seed, augment_config.crop_scale,
+                                             augment_config.crop_ratio, augment_config.flip)
+    else:
+        workers = 0
     return batches.Stream(images, run.dataset.y_train, data_key,
-                          batch_size=config.train.batch_size, steps_per_epoch=run.steps_per_epoch,
+                          batch_size=batch_size, steps_per_epoch=run.steps_per_epoch,
                           total_steps=run.total_steps, sharding=mesh_lib.batch_sharded(run.mesh),
                           workers=workers)
 

@@ -26,25 +26,25 @@ def build_model(model_config, num_classes: int, precision: str, conv_impl: str, 
         raise ConfigError(str(error)) from None
 
 
-def stem_kernel(config, dataset, mean, std, compute: bool = True):
+def stem_kernel(model_config, dataset, mean, std, compute: bool = True):
     """model.stem_init='whiten': the stem's fixed filters from the training images (None
     unless `compute`: callers of an abstract state compute them in their own program);
     else None."""
-    if not whitening.has_whitened_stem(config.model):
+    if not whitening.has_whitened_stem(model_config):
         return None
     try:
-        whitening.check_stem(config.model, dataset.image_shape[-1])
+        whitening.check_stem(model_config, dataset.image_shape[-1])
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if not compute:
         return None
-    return whitening_fn(config, mean, std)(dataset.x_train[:whitening.WHITENING_IMAGES])
+    return whitening_fn(model_config, mean, std)(dataset.x_train[:whitening.WHITENING_IMAGES])
 
 
-def initial_state(config, model, tx, dataset, mesh, runs, stem, abstract_params,
-                  abstract: bool = False):
+def initial_state(model_config, seed: int, ema: bool, model, tx, dataset, mesh, runs, stem,
+                  abstract_params, abstract: bool = False):
     """(state, data key, the state's sharding, model.init_from's readers.Report or None).
-    Seeds config.seed, or seed, seed + 1, ... for replicas (each replica's keys are its
+    Seeds `seed`, or seed, seed + 1, ... for replicas (each replica's keys are its
     single run's). model.init_from's weights are read at step 0 only (not for an
     `abstract` state: shapes and dtypes, jax.eval_shape, no init compiled)."""
     if runs:
@@ -55,19 +55,19 @@ def initial_state(config, model, tx, dataset, mesh, runs, stem, abstract_params,
             out_shardings=sharding)(seeds)
     else:
         sharding = mesh_lib.replicated(mesh)
-        init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(config.seed)),
+        init_key, data_key = jax.jit(lambda: jax.random.split(jax.random.key(seed)),
                                      out_shardings=sharding)()
     init = functools.partial(train_state.create_train_state, model=model, tx=tx,
                              image_shape=dataset.image_shape, sharding=sharding,
                              stem_kernel=stem, hyperparams=replicas.hyperparams(runs),
                              replicas=runs is not None,
-                             ema=config.train.get("ema_decay") is not None)
+                             ema=ema)
     report = None
-    init_from = config.model.get("init_from", "")
+    init_from = model_config.get("init_from", "")
     if init_from and not abstract:
         initial, report = readers.initialise(init_from, model, abstract_params,
-                                             config.model.name, dataset.image_shape,
-                                             config.model.get("init_from_exclude", ""))
+                                             model_config.name, dataset.image_shape,
+                                             model_config.get("init_from_exclude", ""))
         init = functools.partial(init, initial=initial)
     if mesh_lib.fsdp_size(mesh) > 1:  # each leaf split over the fsdp axis by its shape
         sharding = mesh_lib.state_shardings(
@@ -82,11 +82,11 @@ def param_count(params, runs=None) -> int:
     return models.count_params(params) // (len(runs) if runs else 1)
 
 
-def whitening_fn(config, mean, std):
+def whitening_fn(model_config, mean, std):
     """whitening.whitening_kernel for this run's stem, jitted: training and the benchmark
     (inside its timed program) compute the same filters from the training images."""
     return jax.jit(functools.partial(whitening.whitening_kernel, mean=tuple(mean), std=tuple(std),
-                                     filters=config.model.stem_width))
+                                     filters=model_config.stem_width))
 
 
 def abstract_init(model, model_config, image_shape):

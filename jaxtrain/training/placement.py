@@ -1,4 +1,4 @@
-"""Where a run's arrays live: the device mesh of config.parallel, the batch's split over
+"""Where a run's arrays live: the device mesh of parallel.fsdp, the batch's split over
 the devices, the state's sharding, and the training and test splits put on the devices."""
 import jax
 
@@ -8,10 +8,9 @@ from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.training import inputs, replicas
 
 
-def create_mesh(config, devices=None):
-    """The device mesh of config.parallel (mesh.create_mesh): data, or data x fsdp."""
+def create_mesh(fsdp: int = 1, devices=None):
+    """The device mesh for parallel.fsdp=`fsdp` (mesh.create_mesh): data, or data x fsdp."""
     devices = jax.devices() if devices is None else devices
-    fsdp = config.get("parallel", {}).get("fsdp", 1)
     if len(devices) % fsdp:
         divisors = [str(d) for d in range(1, len(devices) + 1) if len(devices) % d == 0]
         raise ConfigError(f"config.parallel.fsdp={fsdp} does not divide the {len(devices)} "
@@ -61,11 +60,12 @@ def put_train_data(run):
             mesh_lib.put(run.dataset.y_train, replicated))
 
 
-def put_eval_data(config, run):
-    """The test split as padded batches on the devices, each batch split over them (whole
-    on every device when each device evaluates replicas of its own)."""
-    arrays = inputs.batch_for_eval(run.dataset.x_test, run.dataset.y_test, config.eval.batch_size,
-                            run.mesh.size)
+def put_eval_data(batch_size: int, run):
+    """The test split as padded batches of eval.batch_size=`batch_size` on the devices, each
+    batch split over them (whole on every device when each device evaluates replicas of
+    its own)."""
+    arrays = inputs.batch_for_eval(run.dataset.x_test, run.dataset.y_test, batch_size,
+                                   run.mesh.size)
     sharding = (mesh_lib.replicated(run.mesh) if splits_replicas(run)
                 else mesh_lib.batch_sharded(run.mesh, batch_axis=1))
     return tuple(mesh_lib.put(a, sharding) for a in arrays)

@@ -56,7 +56,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     (batches.shapes_only's stand-in, for a step compiled for shapes).
     """
     lap = clock.lap if clock is not None else lambda *args: None
-    mesh = placement_lib.create_mesh(config) if mesh is None else mesh
+    if mesh is None:
+        mesh = placement_lib.create_mesh(config.get("parallel", {}).get("fsdp", 1))
     init_from = config.model.get("init_from", "")
     if init_from and not abstract_state:
         readers.source(init_from)  # a missing or unreadable source fails before the data loads
@@ -71,7 +72,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     lap("load", f"loaded {config.data.name} from {dataset.origin} ({len(dataset.x_train):,} "
                 f"training and {len(dataset.x_test):,} test images)")
     trained_with = readers.preprocessing(init_from) if init_from else None
-    mean, std = inputs.channel_stats(dataset, config, trained_with)
+    mean, std = inputs.channel_stats(dataset, config.data, trained_with)
     computed = not (tuple(config.data.mean) and tuple(config.data.std))
     lap("statistics", None if not computed else "computed the channel mean and std"
         if trained_with is None else f"normalising as model.init_from's weights were "
@@ -82,7 +83,7 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     model = model_state.build_model(config.model, dataset.num_classes, config.train.precision,
                                     conv_impl, model)
     abstract_params = model_state.abstract_init(model, config.model, dataset.image_shape)
-    stem = model_state.stem_kernel(config, dataset, mean, std, compute=not abstract_state)
+    stem = model_state.stem_kernel(config.model, dataset, mean, std, compute=not abstract_state)
 
     schedule = optim.create_schedule(config.optimizer, total_steps)
     frozen = models.frozen_params(config.model)
@@ -90,7 +91,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     tx = replicas.create_optimizer(config, total_steps, frozen)
 
     state, data_key, sharding, report = model_state.initial_state(
-        config, model, tx, dataset, mesh, runs, stem, abstract_params, abstract=abstract_state)
+        config.model, config.seed, config.train.get("ema_decay") is not None, model, tx,
+        dataset, mesh, runs, stem, abstract_params, abstract=abstract_state)
     if report is not None:
         lap("build", report.line() + " in {seconds:.1f} s")
     copies = f"{len(runs)} replicas of " if runs else ""
