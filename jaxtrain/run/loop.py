@@ -3,6 +3,7 @@ train it and take its rows (chunk.py); on a signal keep its steps and stop; eval
 save when due, write the rows, hand them to the user's callbacks, stop where one asked;
 then the summary (summary.py). The loop holds what changes as the run goes (the state,
 the row window, the last evaluation, the times) and hands it to each function below."""
+import functools
 import signal
 
 import jax
@@ -18,6 +19,8 @@ from jaxtrain.run import summary as summary_lib
 from jaxtrain.run.session import Evaluation
 from jaxtrain.runtime import phases, processes, signals
 from jaxtrain.training import checkpoint, chunks, evaluation as evaluation_lib, train_state
+
+PRINT = functools.partial(print, flush=True)  # the console's lines, as they happen
 
 def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
                        profile_steps: int = 0, warm_up: bool = False, callbacks=(),
@@ -36,7 +39,7 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     with jaxtrain.Callback's methods, after those config.callbacks names. peers: what
     processes.initialize returned in a multi-process run (told where the checkpoints go).
     """
-    clock = phases.Clock(start_time, say=print_now if processes.is_main_process() else None)
+    clock = phases.Clock(start_time, say=PRINT if processes.is_main_process() else None)
     clock.lap("imports", "imported JAX, Flax and jaxtrain" if start_time is not None else None)
     signals.enter_phase("checking the config; nothing written yet")
     checks.check_config(config)
@@ -49,7 +52,7 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     """train_and_evaluate with a config already checked (checks.check_config), where the
     command that started it checked it (jaxtrain.compare)."""
     if clock is None:
-        clock = phases.Clock(None, say=print_now if processes.is_main_process() else None)
+        clock = phases.Clock(None, say=PRINT if processes.is_main_process() else None)
     config = start_lib.run_config(config, workdir, model)
     complete = resume.completed_summary(workdir, config)
     if complete is not None:  # nothing left to train: say so instead of starting anew
@@ -115,18 +118,9 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
         finally:
             profiler.close()
             run.close()
-        clock.lap("checkpoint")
-        summary = summary_lib.summarize(run, state, step, evaluation, times)
-        summary.update(best)
-        if stopped_early:
-            summary["stopped_early"] = stopped_early
-        if profiler.table is not None:
-            summary["profile"] = profiler.table
-        clock.lap("write")
-        summary["phase_seconds"] = dict(clock.seconds)  # this process's; they add up to the total
-        summary["total_seconds"] = clock.total()
-        run.reporter.print_line(clock.breakdown())
-        run.reporter.write_summary(summary)
+        summary = report_summary(run, state, step, evaluation, times, {
+            **best, **({"stopped_early": stopped_early} if stopped_early else {}),
+            **({"profile": profiler.table} if profiler.table is not None else {})})
         users.run_end(summary)
     except BaseException as error:
         users.failed(error)  # a tracker ends its run as killed or failed
@@ -134,8 +128,19 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     return summary
 
 
-def print_now(line: str) -> None:
-    print(line, flush=True)
+def report_summary(run, state, step: int, evaluation, times, extra: dict) -> dict:
+    """summary.json: what was trained (summary.summarize), with `extra` (the best
+    checkpoint, an early stop, the profile) and where this process's time went (the
+    phases add up to the total), also the console's last lines."""
+    run.clock.lap("checkpoint")
+    summary = summary_lib.summarize(run, state, step, evaluation, times)
+    summary.update(extra)
+    run.clock.lap("write")
+    summary["phase_seconds"] = dict(run.clock.seconds)
+    summary["total_seconds"] = run.clock.total()
+    run.reporter.print_line(run.clock.breakdown())
+    run.reporter.write_summary(summary)
+    return summary
 
 
 def evaluation_missing(run, step: int) -> bool:
@@ -147,8 +152,7 @@ def evaluation_missing(run, step: int) -> bool:
 
 def stop_for_signal(run, state, step: int, window, times, evaluation, users, new: list, stop,
                     phase: str | None = None) -> None:
-    """A signal: every step trained is kept (keep_trained_steps), then the run stops
-    (Interrupted: exit status 128 + N)."""
+    """A signal: the trained steps kept (keep_trained_steps), the run stops (exit 128 + N)."""
     keep_trained_steps(run, state, step, window, times, evaluation, users, new)
     raise signals.Interrupted(stop.signal or signal.SIGTERM, step, run.manager.directory, phase)
 
@@ -156,9 +160,8 @@ def stop_for_signal(run, state, step: int, window, times, evaluation, users, new
 def keep_trained_steps(run, state, step: int, window, times, evaluation, users,
                        new=()) -> None:
     """Before the run stops at `step`: the rows `new` written, with one for the steps since
-    the last (the window keeps them too: the checkpoint carries them, and a resumed run's
-    next row covers them again), the state saved unless this step's checkpoint is on
-    disk, and the user's callbacks handed the rows and the checkpoint."""
+    the last (the window keeps them too: a resumed run's next row covers them again), the
+    state saved unless on disk already, the user's callbacks handed rows and checkpoint."""
     new = list(new) + stop_rows(run, step, window, times)
     log(run, new)
     saved = None
