@@ -96,12 +96,18 @@ class MLflowTracker(tracker.Tracker):
         """The classifier of checkpoint `step` with the run's TTA, exported to ONNX, saved
         at `path` as an MLflow Model with its signature; a model the exporter cannot take
         (or a missing export extra) is one warning line and False."""
+        import jax
         import numpy as np
         from mlflow.models import ModelSignature
         from mlflow.types.schema import Schema, TensorSpec
 
         from jaxtrain.inference import classifier as classifier_lib
         from jaxtrain.inference import exporters
+        if jax.process_count() > 1:  # restore is one process's; the others have moved on
+            print("warning: logging.mlflow: a multi-process run's model/ holds its checkpoint "
+                  "but no MLflow Model (export it from one process: jaxtrain.restore, then "
+                  "jaxtrain.inference.exporters.save)", file=sys.stderr, flush=True)
+            return False
         classifier = classifier_lib.restore(workdir, step=step, pool_impl="xla")
         try:
             import onnx
