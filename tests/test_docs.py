@@ -13,6 +13,7 @@ from pathlib import Path
 import fork_server
 import numpy as np
 import pytest
+import quick_compile
 from conftest import missing, require_module
 from test_callbacks import mlp_config
 
@@ -191,7 +192,9 @@ def test_every_documented_command_that_runs_on_a_cpu_runs_as_written(
             argv.append(word)
         module = "jaxtrain.__main__" if name in ("main.py", "jaxtrain") else name
         commands.append((module, argv))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}", "HOME": str(home)}
+    # XLA's LLVM at -O0: the commands compile big programs (ResNet-50's memory report) and
+    # run them for a few images at most (quick_compile.py)
+    env = {**quick_compile.env(0), "PYTHONPATH": f"{REPO}", "HOME": str(home)}
     done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(commands)], cwd=root,
                           capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
