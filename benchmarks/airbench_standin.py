@@ -1,5 +1,5 @@
 """A CPU stand-in for airbench94_muon.py (github.com/KellerJordan/cifar10-airbench), which
-needs CUDA: what benchmarks/h200.py's airbench item runs under --dry and in CI.
+needs CUDA: what benchmarks/gpu.py's airbench item runs under --dry and in CI.
 
 It reads what airbench reads, cifar10/train.pt and test.pt in the working folder, as
 airbench's loader does (uint8 images N x 32 x 32 x 3, int64 labels, the class names;

@@ -3,7 +3,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python3 benchmarks/memory.py --json=benchmarks/results/memory_cpu.json
     python3 benchmarks/memory.py --largest_batch --model=resnet50 --image_size=224 \\
-        --json=FILE                      # on a GPU: benchmarks/h200.py runs this
+        --json=FILE                      # on a GPU: benchmarks/gpu.py runs this
 
 Table mode (default): for each model (--models; default resnet50 at 128 px and vit_base,
 the largest ViT, at 128 px), batch --batch_size (64) on every device there is, five

@@ -5,7 +5,7 @@ translated to a mean (not summed) loss: lr 1.5 and coupled weight decay 1.3e-3 a
 batch 1024, chosen against lr 0.2 and weight decay 5e-4 on a narrow (8, 32, 32)
 cifar_cnn on this project's CPU. Measured, with the commands:
 BENCHMARKS.md#tuning-the-cifar-10-recipe-scaled-down (the choice) and
-BENCHMARKS.md#the-readmes-recipe-and-the-seed-recipe (this recipe on one H200).
+BENCHMARKS.md#h200-the-readmes-recipe-and-the-seed-recipe (this recipe on one H200).
 """
 from jaxtrain.config import defaults
 

@@ -25,7 +25,7 @@ before it.
 
 What it reaches on one H200 with the shared JPEG (q75) copy, against the target of
 90.70% in 1.0 s a run: BENCHMARKS.md#the-target-issue-7 and
-BENCHMARKS.md#the-speedrun-configscifar_speedrunpy-8-epochs-200-steps-of-batch-2000-muon.
+BENCHMARKS.md#h200-the-speedrun-configscifar_speedrunpy-8-epochs-200-steps-of-batch-2000-muon.
 The levers issue #40 built for the 1.0 s target are each a key of this recipe, off here
 until a GPU has timed them: BENCHMARKS.md#the-speedruns-levers-built-and-checked-on-the-cpu-issue-40.
 """

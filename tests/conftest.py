@@ -213,7 +213,7 @@ def init_compiled(model, x):
 # The longest tests (a minute or more each on a 2-core CI machine) start first, so that
 # with the workers (-n 2 --dist worksteal) the rest fill in around them instead of one
 # of them running alone at the end.
-LONGEST_FIRST = ('test_scale.py', 'test_h200.py', 'test_parallel.py', 'test_checkpoint.py', 'test_input.py',
+LONGEST_FIRST = ('test_scale.py', 'test_gpu.py', 'test_parallel.py', 'test_checkpoint.py', 'test_input.py',
                  'test_weights.py', 'test_export.py')
 
 

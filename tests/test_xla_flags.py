@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ("--config=configs/cifar_seed_cnn.py", "--config.model.name=mlp",
         "--config.model.hidden_sizes=(32,)", "--config.train.batch_size=64",
         "--config.train.num_steps=4", "--config.eval.batch_size=250")
-# The compile A/B's GPU flags (benchmarks/h200.py), and one whose effect a CPU shows.
+# The compile A/B's GPU flags (benchmarks/gpu.py), and one whose effect a CPU shows.
 GPU_FLAGS = "--xla_gpu_autotune_level=2 --xla_gpu_enable_triton_gemm=false " \
     "--xla_gpu_enable_llvm_module_compilation_parallelism=true"
 
@@ -65,10 +65,10 @@ def test_flags_are_read_checked_and_merged():
 
 @pytest.mark.slow
 def test_names_are_looked_up_in_this_jaxlib():
-    spec = importlib.util.spec_from_file_location("h200", REPO / "benchmarks" / "h200.py")
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
-    planned = [name for text in h200.XLA_SETTINGS.values() for name, _ in xla_flags.parse(text)]
+    spec = importlib.util.spec_from_file_location("gpu", REPO / "benchmarks" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    planned = [name for text in gpu.XLA_SETTINGS.values() for name, _ in xla_flags.parse(text)]
     assert {"xla_gpu_autotune_level", "xla_gpu_enable_triton_gemm"} <= set(planned)
     assert xla_flags.unknown_names([*planned, "xla_force_host_platform_device_count",
                                     "xla_dump_to"]) == []

@@ -1,28 +1,32 @@
-"""Every GPU figure jaxtrain reports, from two prepared device calls on one H200.
+"""Every GPU figure jaxtrain reports, from two prepared device calls on whichever card
+is lent (an H100 or an H200), each figure's baseline measured in the same call.
 
 GPU time comes in short loans (about 15 minutes, machine start included, at
 most 600 s a device command), so everything is measured by this one script,
-most important first, in two calls: part 1 (default budget 540 s: the
-speedrun, its levers, XLA's compile settings, the strongest PyTorch twin) and
-part 2 (200 s: the published airbench94_muon, whose cold torch.compile alone
-took ~160 s on an H200). Each item is one of jaxtrain's own commands run as a
-child process, so a figure here is what a user gets from that command. Every
-setup step and item has a cap of its own (PLAN and PLAN_2 below; `--plan`
-prints them): one that reaches its cap is stopped with its process group and
-the next one starts, so a slow or hung item costs only its own cap. A part's
-caps add up to its budget, so every item gets its chance; what part 1's items
-leave unused goes to the extras at the end.
+most important first, in two calls: part 1 (default budget 540 s: the plain
+speedrun as the baseline, its levers, XLA's compile settings, the strongest
+PyTorch twin) and part 2 (200 s: the published airbench94_muon, whose cold
+torch.compile alone took ~160 s on an H200). Each item is one of jaxtrain's own
+commands run as a child process, so a figure here is what a user gets from that
+command. Every setup step and item has a cap of its own (PLAN and PLAN_2 below;
+`--plan` prints them): one that reaches its cap is stopped with its process group
+and the next one starts, so a slow or hung item costs only its own cap. A part's
+caps fit its budget, so every item gets its chance (the items that do not fit are
+dropped, least informative first, to the head of the extras, and `--plan` names
+them); what part 1's items leave unused goes to the extras at the end.
 
-$OUT/h200.json (part 2: $OUT/h200_part2.json) is written before anything else
-(the environment), after every setup step and after every item: each entry has
-its command, cap, status, seconds, the JSON the command wrote (a benchmark
-writes its JSON after compiling and after every run, compare after every
-framework, the airbench item after every run it reads, so a cut-off item still
-reports what it finished) and any XLA warning about compilation.
-$OUT/logs.tar.gz holds every output; profiler traces (and inspect's optimised
-HLO) come back as $OUT/profile_<item>.tar.gz (the device returns at most 8 files
-from $OUT, hence the archives). A failing setup step (the wheels, the data, the
-preflight) is recorded there and ends the run.
+$OUT/gpu.json (part 2: $OUT/gpu_part2.json) is written before anything else (the
+environment and the card: its name, memory, clocks and driver as nvidia-smi
+reports them), after every setup step and after every item: each entry has its
+command, cap, status, seconds, the JSON the command wrote (a benchmark writes its
+JSON after compiling and after every run, compare after every framework, the
+airbench item after every run it reads, so a cut-off item still reports what it
+finished) and any XLA warning about compilation; `ratios` holds every speedrun
+item's seconds per run, and the strongest PyTorch twin's, against the baseline's
+of the same call. $OUT/logs.tar.gz holds every output; profiler traces (and
+inspect's optimised HLO) come back as $OUT/profile_<item>.tar.gz (the device
+returns at most 8 files from $OUT, hence the archives). A failing setup step (the
+wheels, the data, the preflight) is recorded there and ends the run.
 
 Prepare, once, in the repository root of the development machine (the device
 has no network; .gitignore lists the three folders, and they travel with
@@ -35,13 +39,13 @@ has no network; .gitignore lists the three folders, and they travel with
     # airbench94_muon.py into .airbench/ (never committed: not this project's code), from a
     # clone or git mirror of github.com/KellerJordan/cifar10-airbench (its commit f1c599c,
     # the version read for issue #40), or from the file itself:
-    python3 benchmarks/h200.py --prepare_airbench=PATH
+    python3 benchmarks/gpu.py --prepare_airbench=PATH
 
 Run on the device (device tool: carry [".whl", ".data", ".airbench"]; part 1 with
 timeout_s=600, part 2 with timeout_s=230, on the same warm machine):
 
-    python3 benchmarks/h200.py --out=$OUT             # part 1
-    python3 benchmarks/h200.py --part=2 --out=$OUT    # part 2: airbench94_muon
+    python3 benchmarks/gpu.py --out=$OUT             # part 1
+    python3 benchmarks/gpu.py --part=2 --out=$OUT    # part 2: airbench94_muon
 
 Setup: the wheels in .whl (the image has jax, flax, optax, orbax and torch, not
 ml_collections or tensorboardX) go into a private folder; the CIFAR-10 JPEG copy
@@ -49,17 +53,19 @@ in .data is decoded into the cifar-10-batches-py layout (part 2: and written as
 the cifar10/{train,test}.pt airbench reads; extras: a part of it upscaled to
 224 px for the ResNet-50 items); the preflight imports every module the items
 use, records the versions (jax, jaxlib, the CUDA plugin, CUDA and cuDNN as the
-device client reports them, torch and its CUDA and cuDNN), looks the plan's XLA
-flags up in the device's jaxlib, builds the speedrun's optimiser and compiles a
-small program, so an API change in the image's jax / optax / flax fails in
-seconds with one line, not in every item. Part 2 needs the data alone.
+device client reports them, torch and its CUDA and cuDNN) and the card's memory as
+JAX's allocator reports it, looks the plan's XLA flags up in the device's jaxlib,
+builds the speedrun's optimiser and compiles a small program, so an API change in
+the image's jax / optax / flax fails in seconds with one line, not in every item.
+Part 2 needs no wheels; its preflight checks torch's CUDA, Triton and the airbench
+script before airbench's cold compile.
 
 The same script on a CPU with tiny sizes, a few steps of every item (CI runs
-some items: tests/test_h200.py; run them all before a loan), the airbench item
+some items: tests/test_gpu.py; run them all before a loan), the airbench item
 against benchmarks/airbench_standin.py (airbench needs CUDA):
 
-    python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
-    python3 benchmarks/h200.py --dry --part=2 --data_dir=DIR --out=/tmp/h200
+    python3 benchmarks/gpu.py --dry --data_dir=DIR --out=/tmp/gpu
+    python3 benchmarks/gpu.py --dry --part=2 --data_dir=DIR --out=/tmp/gpu
 """
 import argparse
 import collections
@@ -79,7 +85,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = {1: "h200.json", 2: "h200_part2.json"}
+RESULTS = {1: "gpu.json", 2: "gpu_part2.json"}
 SPEEDRUN = "configs/cifar_speedrun.py"
 MAX_FILE_BYTES = 15 * 2**20  # the device returns files of up to 16 MiB
 # Of each device command's time: the rest is for the archives and slack. 540 + 200 s
@@ -140,11 +146,12 @@ AIRBENCH_STANDIN = os.path.join(REPO, "benchmarks", "airbench_standin.py")
 AIRBENCH_MARGIN = 5.0  # the wrapper stops airbench this long before the item's limit
 
 # The budget on paper: (name, cap s, expected s, what it yields, why it is here).
-# Expected times are from the first H200 loan (2026-12-04, benchmarks/results/h200.json,
-# BENCHMARKS.md), rounded up: a speedrun process is ~5.5 s of start-up and data, 30.5 s
-# of compiling, 1.37 s a run; the compile settings' and the levers' own effects are
-# guesses until measured (the caps leave each about 25% more).
-PLAN = (
+# Expected times are from the first loan, on an H200 (2026-12-04,
+# benchmarks/results/h200.json, BENCHMARKS.md), rounded up: a speedrun process is ~5.5 s
+# of start-up and data, 30.5 s of compiling, 1.37 s a run; another card's, the compile
+# settings' and the levers' own effects are guesses until measured (the caps leave each
+# about 25% more). Part 1 as wanted, most important first; PLAN is what fits its budget.
+PLAN_WANTED = (
     Step("wheels", 8, 4, "ml_collections and tensorboardX importable",
          "every item needs them"),
     Step("data", 20, 12, "cifar-10-batches-py (the ResNet items' 2,560 + 512 images at 224 "
@@ -152,10 +159,14 @@ PLAN = (
     Step("preflight", 20, 15, "the versions; every module imported, the plan's XLA flags looked "
          "up in the device's jaxlib, the speedrun's optimiser built, a program compiled",
          "an API change fails here in seconds, not in every item"),
-    Step("speedrun_corners", 62, 52, "10 seeds (0-9, the first loan's) of the speedrun with "
+    Step("speedrun", 62, 52, "10 seeds (0-9) of the speedrun with today's default settings "
+         "(XLA's max-pooling on a GPU): accuracy, seconds per run, compile seconds",
+         "the baseline: every lever's ratio and the PyTorch twin's are to it, measured in "
+         "the same call on the same card (the first loan, an H200: 1.370 s)"),
+    Step("speedrun_corners", 62, 52, "10 seeds (0-9) of the speedrun with "
          "model.pool_impl='corners' (the same numbers to the bit): accuracy, seconds per run, "
-         "compile seconds; the compile settings' baseline", "today's recipe against the first "
-         "loan's 1.370 s: max-pooling and its gradient's scatter were 1.5 of the 6.63 ms step"),
+         "compile seconds; the compile settings' baseline", "max-pooling and its gradient's "
+         "scatter were 1.5 of the 6.63 ms step on the H200"),
     Step("speedrun_levers", 95, 85, "30 seeds (0-29) with every lever that keeps the recipe: "
          "corners, optimizer.ns_stack, optimizer.flatten, train.drop_finished_groups, "
          "model.bn_impl='lean': mean accuracy and its standard error, seconds per run",
@@ -180,17 +191,25 @@ PLAN = (
          "twin (torch_fast: max-autotune with CUDA graphs within a 60 s compile cap, else "
          "default mode; fused SGD, batched bf16 Newton-Schulz): one run's seconds, accuracy "
          "and what compiled", "the ratio to the fastest PyTorch in the same call (jaxtrain's "
-         "side: the speedrun items; the first loan's twin took 2.10 s)"),
+         "side: the speedrun items; on the H200 the first loan's twin took 2.10 s)"),
 )
+# What part 1 drops first when its wanted items' caps exceed its budget: a trace, then the
+# compile settings that matter least (the levers, the baseline and the twin stay).
+LEAST_INFORMATIVE_FIRST = ("inspect_speedrun_corners", "compile_autotune_0",
+                           "compile_autotune_1", "compile_parallel_llvm",
+                           "compile_no_triton_gemm")
 # Part 2, a second device call: airbench needs most of it.
 PLAN_2 = (
-    Step("data", 20, 14, "cifar-10-batches-py; from it, before its item, airbench's "
+    Step("data", 18, 12, "cifar-10-batches-py; from it, before its item, airbench's "
          "cifar10/train.pt and test.pt (uint8 images N x 32 x 32 x 3, int64 labels, the "
          "class names)", "airbench reads them (the device cannot download)"),
-    Step("airbench94_muon", 180, 175, "the published airbench94_muon (torch.compile "
+    Step("preflight", 12, 8, "the versions and the card; torch with CUDA, Triton (what "
+         "torch.compile's max-autotune generates kernels with) and the airbench script",
+         "a missing piece fails here in seconds, not after the item's cold compile"),
+    Step("airbench94_muon", 170, 165, "the published airbench94_muon (torch.compile "
          "max-autotune) on the same JPEG CIFAR-10, stopped at its cap: each finished run's "
          "TTA accuracy and seconds as it prints them, the time to its first run",
-         "the anchor (about 1.47 s a run there before); its 200 runs after a ~160 s cold "
+         "the anchor (1.47 s a run on the H200 before); its 200 runs after a ~160 s cold "
          "compile do not fit a loan, so the runs before its cap are read"),
 )
 # If part 1 has time left, each with at most its cap of what is left, most useful first:
@@ -198,7 +217,7 @@ PLAN_2 = (
 # at a time, and what the first loan measured or could not reach.
 EXTRAS = (
     Step("whole_process_best", 60, 45, "the whole process cold and warm (two runs each) with "
-         "the best settings the items above found (h200.json records the choice and why)",
+         "the best settings the items above found (gpu.json records the choice and why)",
          "the whole-process target is 20 s cold"),
     Step("speedrun_levers_silu", 62, 55, "10 seeds (0-9) of speedrun_levers with "
          "model.activation='silu'", "a cheaper activation; its accuracy over the same seeds"),
@@ -212,8 +231,6 @@ EXTRAS = (
     *(Step(name, 62, 52, "10 seeds (0-9) of speedrun_corners with "
            + flag.removeprefix("--config."), "one lever's own seconds and accuracy")
       for name, flag in ONE_LEVER.items()),
-    Step("speedrun", 62, 52, "10 seeds of the speedrun as configured (XLA's max-pooling)",
-         "the first loan's item: 1.370 s"),
     Step("compare_speedrun", 90, 79, "the speedrun recipe in jaxtrain and in PyTorch "
          "(torch_fast) side by side", "the first loan's comparison"),
     Step("inspect_speedrun", 42, 36, "the speedrun's step with XLA's max-pooling: kernels, "
@@ -222,9 +239,10 @@ EXTRAS = (
          "the fastest PyTorch", "the first loan's 55 s cap cut PyTorch's side off (jaxtrain: "
          "2.99 s; the article's PyTorch as written: 82.6 s)"),
     Step("resnet50_largest_batch", 110, 95, "the largest ResNet-50 batch at 224 px whose "
-         "train step fits the H200, plain, with model.remat and with accumulate_steps=4 "
-         "(compiled memory analyses, nothing trained)", "issue #30; the first loan's 40 s "
-         "showed only that 1,024 fits (42.1 GB plain, 14.9 GB with remat)"),
+         "train step fits the card's own memory (as JAX's allocator reports it), plain, with "
+         "model.remat and with accumulate_steps=4 (compiled memory analyses, nothing "
+         "trained)", "issue #30; the first loan's 40 s showed only that 1,024 fits the H200 "
+         "(42.1 GB plain, 14.9 GB with remat)"),
     Step("finetune_resnet50_224", 100, 91, "configs/finetune.py: ResNet-50 at 224 px from "
          "random-init torchvision weights (model.init_from), 40 steps of batch 256, jaxtrain "
          "and PyTorch (channels_last, bf16 autocast, torch.compile) from the same weights: "
@@ -241,6 +259,26 @@ EXTRAS = (
          "per replica, the spread of accuracy", "issue #18's target is for a GPU"),
 )
 SETUP = ("wheels", "data", "preflight")
+
+
+def fit_to_budget(wanted: tuple, budget: float, least_informative_first: tuple) -> tuple:
+    """(kept, dropped): `wanted` less the items of least_informative_first, in that order,
+    that must go for the kept caps to fit the budget."""
+    kept, dropped = list(wanted), []
+    for name in least_informative_first:
+        if sum(step.cap for step in kept) <= budget:
+            break
+        step = next(step for step in kept if step.name == name)
+        kept.remove(step)
+        dropped.append(step)
+    if sum(step.cap for step in kept) > budget:
+        raise ValueError(f"the plan's caps exceed its {budget:g} s budget with every "
+                         "droppable item dropped")
+    return tuple(kept), tuple(dropped)
+
+
+PLAN, DROPPED = fit_to_budget(PLAN_WANTED, BUDGETS[1], LEAST_INFORMATIVE_FIRST)
+EXTRAS = DROPPED + EXTRAS  # a dropped item still runs first if part 1 leaves the time
 PARTS = {1: (PLAN, EXTRAS), 2: (PLAN_2, ())}
 
 # Tiny sizes for --dry: every item's code path, a few steps each.
@@ -385,9 +423,10 @@ def items(data_dir: str, arrays: str, work: str, dry: bool, runs: int | None = N
 
 
 def best_settings(done: dict) -> dict:
-    """whole_process_best's settings from the items before it (h200.json's entries):
+    """whole_process_best's settings from the items before it (gpu.json's entries):
     the levers' config when speedrun_levers reached TARGET_ACCURACY over at least 10 seeds
-    and ran faster than speedrun_corners, else corners; each compile setting that saved at
+    and ran faster than speedrun_corners, else corners, unless the plain speedrun (the
+    baseline) ran no slower than corners; each compile setting that saved at
     least MIN_COMPILE_SAVING seconds of speedrun_corners' compile without slowing its
     second run by more than STEP_TOLERANCE of speedrun_corners' mean (of the autotuning
     levels, the one that saved most). Returns {"config", "overrides", "xla_flags",
@@ -411,6 +450,11 @@ def best_settings(done: dict) -> dict:
     else:
         why.append("corners: speedrun_levers has fewer than 10 runs, misses "
                    f"{TARGET_ACCURACY:.2%} or is not faster")
+        plain = result("speedrun")
+        if plain.get("runs") and plain["seconds_mean"] <= corners["seconds_mean"]:
+            chosen.update(config="plain", overrides=[])
+            why.append(f"plain: the default pooling's {plain['seconds_mean']:.3f} s is no "
+                       f"slower than corners' {corners['seconds_mean']:.3f} s")
     saved = {}
     for name in XLA_SETTINGS:
         found = result(name)
@@ -432,6 +476,32 @@ def best_settings(done: dict) -> dict:
     return chosen
 
 
+def ratios(items: dict, card: str | None) -> dict:
+    """Each speedrun item's seconds per run, and the strongest PyTorch twin's (train and
+    TTA evaluation, as a benchmark run's seconds count them), over the baseline's: the
+    plain speedrun of the same call on the same card. A cold item (no warm-up run) counts
+    its last run; {} until the baseline has runs."""
+    def seconds(result):
+        if not result.get("runs"):
+            return None
+        if result.get("warmup_runs") == 0:
+            return result["runs"][-1]["seconds"]
+        return result["seconds_mean"]
+
+    results = {name: (entry.get("result") or {}) for name, entry in items.items()}
+    base = seconds(results.get("speedrun", {}))
+    if not base:
+        return {}
+    found = {name: round(seconds(result) / base, 4) for name, result in results.items()
+             if name != "speedrun" and "runs_asked" in result and seconds(result)}
+    for row in results.get("compare_speedrun_strong", {}).get("results", ()):
+        if row.get("framework") == "torch_fast" and row.get("train_seconds"):
+            found["compare_speedrun_strong (torch_fast)"] = round(
+                (row["train_seconds"] + row.get("eval_seconds", 0.0)) / base, 4)
+    return {"card": card, "baseline": "speedrun", "baseline_seconds": base,
+            "over_baseline": found}
+
+
 def plan_table(scale: float = 1.0) -> str:
     """Both parts and the extras as a Markdown table, with each part's totals: the budget
     on paper."""
@@ -446,7 +516,9 @@ def plan_table(scale: float = 1.0) -> str:
         rows.append(f"| {part} | all of part {part} | {caps:g} | {expected:g} | | its budget "
                     f"is {BUDGETS[part] * scale:g} s |")
         for step in extras:
-            rows.append(f"| {part}, if time is left | {step.name} | {step.cap * scale:g} | "
+            when = "dropped to fit, run if time is left" if step in DROPPED else (
+                "if time is left")
+            rows.append(f"| {part}, {when} | {step.name} | {step.cap * scale:g} | "
                         f"{step.expected * scale:g} | {step.yields} | {step.why} |")
     return "\n".join(rows)
 
@@ -544,11 +616,9 @@ def write_resnet_arrays(batches_dir: str, path: str, dry: bool) -> str:
     return path
 
 
-def preflight() -> dict:
-    """In a child with the items' environment: the versions, then every module the items
-    use imported, the speedrun's optimiser built and a small program compiled and run.
-    Raises on the first failure; the caller prints it as one line."""
-    import importlib
+def versions() -> dict:
+    """The packages, the device as JAX sees it (its kind and what its allocator can hold),
+    CUDA's libraries as the plugin reports them, and torch's view of CUDA."""
     import importlib.metadata as metadata
 
     info = {"python": sys.version.split()[0], "packages": {}}
@@ -560,11 +630,12 @@ def preflight() -> dict:
         except metadata.PackageNotFoundError:
             pass
     import jax
-    import jax.numpy as jnp
 
     device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     info.update(backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
-                platform_version=str(device.client.platform_version))
+                platform_version=str(device.client.platform_version),
+                device_memory_bytes=(stats or {}).get("bytes_limit"))
     try:
         from jax._src.lib import cuda_versions  # None without a CUDA plugin
     except ImportError:
@@ -586,6 +657,20 @@ def preflight() -> dict:
                      "cuda_available": torch.cuda.is_available(),
                      "device": (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                                 else None)}
+    return info
+
+
+def preflight() -> dict:
+    """Part 1's, in a child with the items' environment: the versions, then every module
+    the items use imported, the speedrun's optimiser built and a small program compiled
+    and run. Raises on the first failure; the caller prints it as one line."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    info = versions()
     sys.path.insert(0, REPO)
     for module in ("main", "jaxtrain.bench", "jaxtrain.compare", "jaxtrain.run.loop",
                    "jaxtrain.baselines.torch_models", "jaxtrain.baselines.torch_optim",
@@ -613,6 +698,26 @@ def preflight() -> dict:
     x = jnp.ones((256, 256), jnp.bfloat16)
     jax.block_until_ready(jax.jit(lambda x: (x @ x).sum()).lower(x).compile()(x))
     info["preflight"] = "ok: modules imported, the speedrun's optimiser built, a program ran"
+    return info
+
+
+def preflight_part2(airbench_script: str) -> dict:
+    """Part 2's: the versions, torch with CUDA where JAX has a GPU, Triton where torch has
+    CUDA (max-autotune's kernels), the airbench script and whether it is the one read."""
+    import torch
+
+    info = versions()
+    if info["backend"] == "gpu" and not torch.cuda.is_available():
+        raise RuntimeError(f"JAX has the GPU but torch {torch.__version__} sees no CUDA device")
+    if torch.cuda.is_available():
+        import triton
+        info["triton"] = triton.__version__
+    if not os.path.isfile(airbench_script):
+        raise FileNotFoundError(f"no {airbench_script}: prepare it first (benchmarks/gpu.py's "
+                                "header: --prepare_airbench)")
+    info["airbench"] = {"script": airbench_script, "sha256": file_sha256(airbench_script),
+                        "reviewed": file_sha256(airbench_script) == AIRBENCH_SHA256}
+    info["preflight"] = "ok: torch, the airbench script"
     return info
 
 
@@ -708,7 +813,7 @@ def run_airbench(script: str, folder: str, seconds: float, json_path: str,
     script = os.path.abspath(script)
     report = {"script": script, "runs": [], "stopped_after_seconds": None}
     if not os.path.isfile(script):
-        print(f"error: no {script}: prepare it first (benchmarks/h200.py's header: "
+        print(f"error: no {script}: prepare it first (benchmarks/gpu.py's header: "
               "--prepare_airbench)", file=stream, flush=True)
         return 1
     report.update(sha256=file_sha256(script), reviewed=file_sha256(script) == AIRBENCH_SHA256)
@@ -801,10 +906,51 @@ def parent_environment() -> dict:
                           or k in ("CUDA_VISIBLE_DEVICES", "CUDA_MODULE_LOADING",
                                    "TF_CPP_MIN_LOG_LEVEL", "NVIDIA_TF32_OVERRIDE")}}
     if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True)
-        info["nvidia_smi"] = smi.stdout.strip()
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        info["nvidia_smi"] = (smi.stdout + smi.stderr).strip()
+        info["card"] = card_from_smi(smi.stdout)
     return info
+
+
+# What nvidia-smi is asked about the card (fields every driver of the last years has).
+SMI_FIELDS = ("name", "driver_version", "memory.total", "clocks.max.sm", "clocks.max.memory",
+              "power.limit")
+CARD_KEYS = ("name", "driver", "memory_mib", "max_sm_clock_mhz", "max_memory_clock_mhz",
+             "power_limit_w")
+
+
+def card_from_smi(text: str) -> dict | None:
+    """The first GPU of nvidia-smi's `--query-gpu=SMI_FIELDS --format=csv,noheader,nounits`
+    output, under CARD_KEYS (a field it cannot give, "[N/A]", is None); None when the
+    output holds no such line."""
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(SMI_FIELDS) or not cells[0]:
+            continue
+        card = {}
+        for key, cell in zip(CARD_KEYS, cells):
+            if key in ("name", "driver"):
+                card[key] = cell
+                continue
+            try:
+                card[key] = float(cell)
+            except ValueError:
+                card[key] = None  # "[N/A]", "[Not Supported]"
+        return card
+    return None
+
+
+def describe_card(smi_card: dict | None, child: dict | None) -> dict:
+    """The card every figure of this call is from: nvidia-smi's view of it where there is
+    one, with what JAX's allocator can hold on it (the largest-batch item's limit); on a
+    machine without a GPU, the device JAX sees."""
+    child = child or {}
+    card = dict(smi_card) if smi_card else {
+        "name": (child.get("devices") or ["unknown"])[0], **{key: None for key in CARD_KEYS[1:]}}
+    card["jax_device_kind"] = (child.get("devices") or [None])[0]
+    card["jax_memory_bytes"] = child.get("device_memory_bytes")
+    return card
 
 
 def archive(folder: str, path: str, skip_suffix: str | None = None) -> None:
@@ -854,7 +1000,7 @@ def parse_caps(text: str, names: set) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"),
-                        help="where h200.json and the archives go (default: $OUT)")
+                        help="where gpu.json and the archives go (default: $OUT)")
     parser.add_argument("--part", type=int, choices=sorted(PARTS), default=1,
                         help="which device call: 1 (the plan, then the extras) or 2 "
                         "(airbench94_muon); each has its own budget")
@@ -905,7 +1051,8 @@ def main(argv=None) -> int:
         return 0
     if args.preflight:  # the child the setup runs: one JSON line, or one error line
         try:
-            print(json.dumps(preflight()))
+            print(json.dumps(preflight_part2(args.airbench) if args.part == 2
+                             else preflight()))
         except Exception as error:
             print(f"error: preflight: {type(error).__name__}: {error}".splitlines()[0])
             return 1
@@ -915,7 +1062,7 @@ def main(argv=None) -> int:
                             args.airbench_json)
     if not args.out:
         parser.error("--out is required when $OUT is not set")
-    scratch = tempfile.mkdtemp(prefix="jaxtrain-h200-")
+    scratch = tempfile.mkdtemp(prefix="jaxtrain-gpu-")
     work, logs = os.path.join(scratch, "work"), os.path.join(scratch, "logs")
     start_weights = os.path.join(scratch, START_WEIGHTS)
     listed = items(args.data_dir or os.path.join(scratch, "data"),
@@ -992,7 +1139,9 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
         "data": None if args.data_dir else [
             sys.executable, os.path.join(args.data_npz_dir, "cifar10_jpeg.py"), "batches",
             data_dir],
-        "preflight": [sys.executable, os.path.abspath(__file__), "--preflight"],
+        "preflight": [sys.executable, os.path.abspath(__file__), "--preflight",
+                      f"--part={args.part}",
+                      f"--airbench={AIRBENCH_STANDIN if args.dry else AIRBENCH_SCRIPT}"],
     }
     for step in setup_steps:
         name, record = step.name, {}
@@ -1007,6 +1156,8 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
             if status == "ok" and name == "preflight":
                 results["environment"]["child"] = last_json_line(
                     os.path.join(logs, "preflight.log"))
+                results["card"] = describe_card(results["environment"].get("card"),
+                                                results["environment"]["child"])
         record.setdefault("seconds", 0.0)
         results["total_seconds"] = elapsed()
         write_json(results, results_path)
@@ -1047,6 +1198,7 @@ def run_all(args, listed: list, only: set, caps: dict, scratch: str, work: str,
         if os.path.exists(json_path):  # also a cut-off item's finished runs or frameworks
             with open(json_path) as f:
                 entry["result"] = json.load(f)
+        results["ratios"] = ratios(results["items"], (results.get("card") or {}).get("name"))
         traces = os.path.join(work, "profile", step.name.removeprefix("inspect_"))
         if step.name.startswith("inspect_") and os.path.isdir(traces):
             archive_trace(traces, os.path.join(args.out, f"profile_{step.name}.tar.gz"))

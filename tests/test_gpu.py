@@ -1,4 +1,4 @@
-"""The prepared H200 script (benchmarks/h200.py), dry: items for a few steps on the CPU, so the
+"""The prepared GPU script (benchmarks/gpu.py), dry: items for a few steps on the CPU, so the
 one GPU run a loan allows does not fail on something a CPU could have caught.
 
 CI runs one item of each command the script uses (bench --inspect --profile, main.py,
@@ -8,8 +8,8 @@ needs CUDA); the two capped items run in the background while the dry run's item
 CPU, since they mostly wait out their caps. The other items' commands are the same commands
 with flags the test modules of bench, speedrun, compare and the levers run. Before a GPU
 loan, run every item by hand:
-    python3 benchmarks/h200.py --dry --data_dir=DIR --out=/tmp/h200
-    python3 benchmarks/h200.py --dry --part=2 --data_dir=DIR --out=/tmp/h200
+    python3 benchmarks/gpu.py --dry --data_dir=DIR --out=/tmp/gpu
+    python3 benchmarks/gpu.py --dry --part=2 --data_dir=DIR --out=/tmp/gpu
 """
 import glob
 import importlib.util
@@ -27,12 +27,12 @@ import pytest
 from conftest import finish
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "h200.py"
+SCRIPT = REPO / "benchmarks" / "gpu.py"
 CI_ITEMS = ("inspect_speedrun_corners", "compare_seed", "cifar_train")  # in the plan's order
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("h200", SCRIPT)
+    spec = importlib.util.spec_from_file_location("gpu", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,8 +43,8 @@ def capped_speedrun(cifar_batches_dir, tmp_path_factory):
     """The speedrun item asked for 100,000 runs under a 60 s cap, started in the background
     and frozen once its first run is written (see test_an_item_stopped_at_its_cap...): its
     cap's wait overlaps the dry run's items instead of idling a test worker for a minute."""
-    out = tmp_path_factory.mktemp("h200_capped")
-    scratch = out / "scratch"  # h200.py's temporary folder goes in here (TMPDIR)
+    out = tmp_path_factory.mktemp("gpu_capped")
+    scratch = out / "scratch"  # gpu.py's temporary folder goes in here (TMPDIR)
     scratch.mkdir()
     script = subprocess.Popen([sys.executable, str(SCRIPT), "--dry",
                                f"--data_dir={cifar_batches_dir}", f"--out={out}",
@@ -53,7 +53,7 @@ def capped_speedrun(cifar_batches_dir, tmp_path_factory):
                               cwd=REPO, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
     freezer = threading.Thread(target=freeze_once_a_run_is_written, daemon=True, args=(
-        script, str(scratch / "jaxtrain-h200-*" / "work" / "speedrun.json")))
+        script, str(scratch / "jaxtrain-gpu-*" / "work" / "speedrun.json")))
     freezer.start()
     yield out, script, freezer
     if script.poll() is None:
@@ -65,7 +65,7 @@ def capped_speedrun(cifar_batches_dir, tmp_path_factory):
 def airbench_part2(cifar_batches_dir, tmp_path_factory):
     """Part 2, dry, in the background: its stand-in mostly sleeps out its 13 s, which the
     dry run's items use."""
-    out = tmp_path_factory.mktemp("h200_part2")
+    out = tmp_path_factory.mktemp("gpu_part2")
     script = subprocess.Popen([sys.executable, str(SCRIPT), "--dry", "--part=2",
                                f"--data_dir={cifar_batches_dir}", f"--out={out}",
                                "--caps=airbench94_muon=18"], cwd=REPO, text=True,
@@ -79,7 +79,7 @@ def airbench_part2(cifar_batches_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dry_run(cifar_batches_dir, tmp_path_factory, capped_speedrun, airbench_part2):
-    out = tmp_path_factory.mktemp("h200")
+    out = tmp_path_factory.mktemp("gpu")
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry",
                              f"--data_dir={cifar_batches_dir}", f"--out={out}",
                              f"--wheels={out / 'no-wheels'}", f"--only={','.join(CI_ITEMS)}"],
@@ -91,7 +91,7 @@ def dry_run(cifar_batches_dir, tmp_path_factory, capped_speedrun, airbench_part2
 def test_every_item_runs_and_reports_its_figures(dry_run):
     out, result = dry_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    report = json.loads((out / "h200.json").read_text())
+    report = json.loads((out / "gpu.json").read_text())
     items = report["items"]
     assert list(items) == list(CI_ITEMS)
     assert set(CI_ITEMS) <= {step.name for step, *_ in load_script().items("D", "A", "W",
@@ -104,6 +104,10 @@ def test_every_item_runs_and_reports_its_figures(dry_run):
     assert child["torch"]["cuda_available"] is False and "variables" in report["environment"]
     assert [report["setup"][name]["status"] for name in ("wheels", "data", "preflight")] == [
         "not needed", "not needed", "ok"]
+    # the card every figure is from: here the CPU JAX sees, whose allocator reports no limit
+    assert report["card"]["name"] == report["card"]["jax_device_kind"] == "cpu"
+    assert report["card"]["jax_memory_bytes"] is None
+    assert report["ratios"] == {}  # no baseline among these items
     for name, entry in items.items():
         script = load_script()
         assert entry["cap_seconds"] == 10 * next(step.cap for step in script.PLAN + script.EXTRAS
@@ -134,9 +138,9 @@ def test_every_item_runs_and_reports_its_figures(dry_run):
 
 @pytest.mark.slow
 def test_an_item_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
-    h200 = load_script()
+    gpu = load_script()
     log = tmp_path / "sleep.log"
-    status, seconds = h200.run_item([sys.executable, "-c", "import time; time.sleep(60)"],
+    status, seconds = gpu.run_item([sys.executable, "-c", "import time; time.sleep(60)"],
                                     str(log), timeout=1.0, env={})
     assert status == "stopped after 1 s (out of time)" and seconds < 30
     assert log.read_text().startswith("$ ")
@@ -145,7 +149,7 @@ def test_an_item_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
                              "--budget=0"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    report = json.loads((tmp_path / "h200.json").read_text())
+    report = json.loads((tmp_path / "gpu.json").read_text())
     assert report["setup"]["preflight"]["status"].startswith("skipped")
     assert report["items"] == {}  # the run ends at the setup step it could not run
 
@@ -167,7 +171,7 @@ def freeze_once_a_run_is_written(script: subprocess.Popen, partial: str) -> None
                     except OSError:
                         continue
                     if f"--json={path}".encode() in cmdline:
-                        os.killpg(pid, signal.SIGSTOP)  # its own group (h200.run_item)
+                        os.killpg(pid, signal.SIGSTOP)  # its own group (gpu.run_item)
                         return
         time.sleep(0.2)
 
@@ -176,7 +180,7 @@ def freeze_once_a_run_is_written(script: subprocess.Popen, partial: str) -> None
 def test_an_item_stopped_at_its_cap_reports_its_finished_runs(capped_speedrun):
     """The speedrun benchmark writes its JSON after compiling and after every run: stopped
     at its cap part-way through 100,000 runs, it has left its compile time and the runs it
-    finished in h200.json, and the next item still runs. The cap leaves room for the start,
+    finished in gpu.json, and the next item still runs. The cap leaves room for the start,
     the compile and one run beside a test worker's other items on two cores (a compile
     there has taken up to 30 s, a run up to 3 s). Once its first run is written the item
     is frozen, as a hung item would be, so that the cap's wait costs no CPU."""
@@ -184,7 +188,7 @@ def test_an_item_stopped_at_its_cap_reports_its_finished_runs(capped_speedrun):
     result = finish(script)
     freezer.join()
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
-    items = json.loads((tmp_path / "h200.json").read_text())["items"]
+    items = json.loads((tmp_path / "gpu.json").read_text())["items"]
     speedrun = items["speedrun"]
     assert speedrun["status"] == "stopped after 60 s (its 60 s cap)"
     assert speedrun["cap_seconds"] == 60 and 60 <= speedrun["seconds"] < 75
@@ -194,6 +198,9 @@ def test_an_item_stopped_at_its_cap_reports_its_finished_runs(capped_speedrun):
     assert partial["accuracy_mean"] == pytest.approx(
         sum(run["test_accuracy"] for run in partial["runs"]) / len(partial["runs"]))
     assert items["seed_64_replicas"]["status"] == "stopped after 1 s (its 1 s cap)"
+    ratios = json.loads((tmp_path / "gpu.json").read_text())["ratios"]  # the baseline alone
+    assert ratios == {"card": "cpu", "baseline": "speedrun",
+                      "baseline_seconds": partial["seconds_mean"], "over_baseline": {}}
 
 
 @pytest.mark.slow
@@ -209,7 +216,7 @@ def test_a_failing_setup_step_is_recorded_before_any_item(broken, tmp_path):
                              f"--wheels={wheels}", f"--data_npz_dir={npz_dir}", *flags],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stdout
-    report = json.loads((tmp_path / "out" / "h200.json").read_text())
+    report = json.loads((tmp_path / "out" / "gpu.json").read_text())
     step = report["setup"][broken]
     assert step["status"] == "failed (exit 1)" if broken == "wheels" else "failed (exit 2)"
     assert step["error"] and step["cap_seconds"] == next(
@@ -220,44 +227,66 @@ def test_a_failing_setup_step_is_recorded_before_any_item(broken, tmp_path):
 
 
 def test_the_plan_adds_up_and_benchmarks_md_shows_it():
-    h200 = load_script()
+    gpu = load_script()
     # Two device calls: 540 + 200 s of items and the machine's start fit a 900 s loan.
-    assert h200.BUDGETS == {1: 540, 2: 200} and h200.BUDGET == h200.BUDGETS[1]
-    for part, (plan, extras) in h200.PARTS.items():
-        assert sum(step.cap for step in plan) == h200.BUDGETS[part]
+    assert gpu.BUDGETS == {1: 540, 2: 200} and gpu.BUDGET == gpu.BUDGETS[1]
+    for part, (plan, extras) in gpu.PARTS.items():
+        assert gpu.BUDGETS[part] - 30 <= sum(step.cap for step in plan) <= gpu.BUDGETS[part]
         assert all(step.expected < step.cap for step in plan + extras)
-        names = [step.name for step, *_ in h200.items("D", "A", "W", dry=False, part=part)]
-        assert names == [s.name for s in plan + extras if s.name not in h200.SETUP]
-    plan = h200.PLAN
-    assert sum(step.expected for step in plan) < 0.85 * h200.BUDGET
-    names = [step.name for step in plan if step.name not in h200.SETUP]
-    # The issue's order: the speedrun first, the compile A/B, the strongest twin; airbench
-    # last, alone in part 2 (its cold compile ~160 s), after the data alone.
-    assert names[:2] == ["speedrun_corners", "speedrun_levers"]
+        names = [step.name for step, *_ in gpu.items("D", "A", "W", dry=False, part=part)]
+        assert names == [s.name for s in plan + extras if s.name not in gpu.SETUP]
+    plan = gpu.PLAN
+    assert sum(step.expected for step in plan) < 0.85 * gpu.BUDGET
+    names = [step.name for step in plan if step.name not in gpu.SETUP]
+    # The plain speedrun first (every ratio's baseline, in the same call), its levers, the
+    # compile A/B, the strongest twin; airbench alone in part 2 (its cold compile ~160 s),
+    # after the data and its preflight.
+    assert names[:3] == ["speedrun", "speedrun_corners", "speedrun_levers"]
     assert names[-1] == "compare_speedrun_strong"
-    assert [s.name for s in h200.PLAN_2] == ["data", "airbench94_muon"]
-    assert {name for name in h200.XLA_SETTINGS if name != "compile_autotune_2"} <= set(names)
-    commands = {step.name: command for step, command, _ in h200.items("D", "A", "W", dry=False)}
+    assert [s.name for s in gpu.PLAN_2] == ["data", "preflight", "airbench94_muon"]
+    # With the baseline in, part 1's wanted items exceed its budget: the least informative
+    # are dropped to the head of the extras, and the plan says so.
+    dropped = [step.name for step in gpu.DROPPED]
+    assert dropped == ["inspect_speedrun_corners", "compile_autotune_0"]
+    assert sum(step.cap for step in gpu.PLAN_WANTED) > gpu.BUDGET
+    assert [step.name for step in gpu.EXTRAS[:3]] == [*dropped, "whole_process_best"]
+    assert all(f"| 1, dropped to fit, run if time is left | {name} |" in gpu.plan_table()
+               for name in dropped)
+    assert {name for name in gpu.XLA_SETTINGS if name != "compile_autotune_2"} <= set(
+        names + dropped)
+    commands = {step.name: command for step, command, _ in gpu.items("D", "A", "W", dry=False)}
     levers = " ".join(commands["speedrun_levers"])
-    assert all(flag in levers for flag in h200.LEVERS) and "--runs=30" in levers
+    assert all(flag in levers for flag in gpu.LEVERS) and "--runs=30" in levers
     assert "--runs=10" in " ".join(commands["speedrun_corners"])
-    for name, flags in h200.XLA_SETTINGS.items():  # cold, first and second run
+    assert "--runs=10" in commands["speedrun"] and not [
+        arg for arg in commands["speedrun"] if arg.startswith("--config.model.")]
+    for name, flags in gpu.XLA_SETTINGS.items():  # cold, first and second run
         assert commands[name][-4:-1] == [f"--config.train.xla_flags={flags}", "--runs=2",
                                          "--warmup=0"]
     assert "--frameworks=torch_fast" in commands["compare_speedrun_strong"]
     # What the first loan measured is an extra now; dropped as duplicates earlier: the
     # speedrun's network inspected twice, the jax row of compare_seed, the article's PyTorch.
-    extras = [step.name for step in h200.EXTRAS]
-    assert extras[0] == "whole_process_best" and "speedrun" in extras
+    extras = [step.name for step in gpu.EXTRAS]
     assert not {"inspect_cifar", "seed_single", "speedrun_pool_corners"} & set(names + extras)
-    assert "torch_article" not in " ".join(" ".join(c) for _, c, _ in h200.items(
+    assert "torch_article" not in " ".join(" ".join(c) for _, c, _ in gpu.items(
         "D", "A", "W", dry=False) if not callable(c))
     assert not [name for name in names + extras if name.endswith("_epochs")]
-    assert h200.plan_table() in (REPO / "BENCHMARKS.md").read_text()
+    assert gpu.plan_table() in (REPO / "BENCHMARKS.md").read_text()
+    # the largest batches against the card's own memory: no fixed limit on a GPU
+    assert not [arg for arg in commands["resnet50_largest_batch"] if "limit" in arg]
+
+
+def test_a_plan_that_cannot_fit_is_refused():
+    gpu = load_script()
+    big, small = gpu.Step("big", 100, 90, "", ""), gpu.Step("small", 10, 9, "", "")
+    assert gpu.fit_to_budget((big, small), 110, ("small",)) == ((big, small), ())
+    assert gpu.fit_to_budget((big, small), 100, ("small",)) == ((big,), (small,))
+    with pytest.raises(ValueError, match="exceed its 50 s budget"):
+        gpu.fit_to_budget((big, small), 50, ("small",))
 
 
 def test_the_best_settings_come_from_the_items_before(tmp_path):
-    h200 = load_script()
+    gpu = load_script()
 
     def bench(compile_seconds, runs):
         return {"result": {"compile_seconds": compile_seconds, "runs": [
@@ -272,25 +301,94 @@ def test_the_best_settings_come_from_the_items_before(tmp_path):
             "compile_autotune_1": bench(20.0, [(1.40, 0.9), (1.30, 0.9)]),  # kept
             "compile_autotune_0": bench(10.0, [(3.00, 0.9), (2.90, 0.9)]),  # slows the step
             "compile_autotune_2": bench(22.0, [(1.40, 0.9), (1.29, 0.9)])}  # level 1 saves more
-    chosen = h200.best_settings(done)
-    assert chosen["config"] == "levers" and chosen["overrides"] == list(h200.LEVERS)
+    chosen = gpu.best_settings(done)
+    assert chosen["config"] == "levers" and chosen["overrides"] == list(gpu.LEVERS)
     assert chosen["settings"] == ["compile_no_triton_gemm", "compile_autotune_1"]
     assert chosen["xla_flags"] == ("--xla_gpu_enable_triton_gemm=false "
                                    "--xla_gpu_autotune_level=1")
     # The levers below the target, or too few of them: corners; nothing measured: defaults.
     done["speedrun_levers"] = bench(40.0, [(1.00, 0.9)] * 30)
-    assert h200.best_settings(done)["config"] == "corners"
-    assert h200.best_settings({}) == {"config": "corners", "overrides": list(h200.CORNERS),
+    assert gpu.best_settings(done)["config"] == "corners"
+    # corners no faster than the plain baseline: the plain speedrun
+    done["speedrun"] = bench(31.0, [(1.29, 0.907)] * 10)
+    plain = gpu.best_settings(done)
+    assert plain["config"] == "plain" and plain["overrides"] == []
+    assert plain["why"][1].startswith("plain: the default pooling's 1.290 s")
+    del done["speedrun"]
+    assert gpu.best_settings({}) == {"config": "corners", "overrides": list(gpu.CORNERS),
                                       "xla_flags": "", "settings": [], "why": [
                                           "speedrun_corners has no runs: corners, XLA's "
                                           "default settings"]}
     # The item's command carries the choice.
-    listed = {step.name: command for step, command, _ in h200.items("D", "A", str(tmp_path),
+    listed = {step.name: command for step, command, _ in gpu.items("D", "A", str(tmp_path),
                                                                      dry=False)}
     command, chosen = listed["whole_process_best"](done)
     assert chosen["config"] == "corners" and "--whole_process" in command
     assert ("--config.train.xla_flags=--xla_gpu_enable_triton_gemm=false "
             "--xla_gpu_autotune_level=1") in command
+
+
+def test_every_ratio_is_to_the_baseline_of_the_same_call():
+    gpu = load_script()
+
+    def bench(seconds, warmup=1):
+        return {"result": {"runs_asked": len(seconds), "warmup_runs": warmup,
+                           "runs": [{"seconds": s} for s in seconds],
+                           "seconds_mean": sum(seconds) / len(seconds)}}
+
+    items = {"speedrun_corners": bench([1.0, 1.0])}
+    assert gpu.ratios(items, "NVIDIA H100 80GB HBM3") == {}  # no baseline yet
+    items.update(speedrun=bench([1.25, 1.25]), speedrun_levers=bench([1.1, 0.9]),
+                 compile_autotune_0=bench([9.0, 1.5], warmup=0),  # cold: its second run
+                 inspect_speedrun_corners={"result": {"kernels_per_step": 9}},
+                 compare_speedrun_strong={"result": {"results": [
+                     {"framework": "torch_fast", "train_seconds": 2.4, "eval_seconds": 0.1}]}})
+    assert gpu.ratios(items, "NVIDIA H100 80GB HBM3") == {
+        "card": "NVIDIA H100 80GB HBM3", "baseline": "speedrun", "baseline_seconds": 1.25,
+        "over_baseline": {"speedrun_corners": 0.8, "speedrun_levers": 0.8,
+                          "compile_autotune_0": 1.2,
+                          "compare_speedrun_strong (torch_fast)": 2.0}}
+
+
+@pytest.mark.parametrize("line, card", [
+    ("NVIDIA H100 80GB HBM3, 580.82.07, 81559, 1980, 2619, 700.00",
+     {"name": "NVIDIA H100 80GB HBM3", "driver": "580.82.07", "memory_mib": 81559.0,
+      "max_sm_clock_mhz": 1980.0, "max_memory_clock_mhz": 2619.0, "power_limit_w": 700.0}),
+    ("NVIDIA H200, 580.159.04, 143771, 1980, 3201, [N/A]",
+     {"name": "NVIDIA H200", "driver": "580.159.04", "memory_mib": 143771.0,
+      "max_sm_clock_mhz": 1980.0, "max_memory_clock_mhz": 3201.0, "power_limit_w": None}),
+    ('Field "clocks.max.sm" is not a valid field to query.', None),
+    ("", None),
+])
+def test_the_card_is_read_from_nvidia_smi(line, card):
+    gpu = load_script()
+    assert gpu.card_from_smi(line) == card
+    child = {"devices": ["NVIDIA H100 80GB HBM3"], "device_memory_bytes": 79_725_330_432}
+    described = gpu.describe_card(card, child)
+    assert described["jax_memory_bytes"] == 79_725_330_432
+    assert described["name"] == (card["name"] if card else "NVIDIA H100 80GB HBM3")
+
+
+def test_the_memory_limit_is_the_devices_own():
+    """The largest-batch probes fit the limit JAX's allocator reports for the device (an
+    H100's ~78 GiB, an H200's ~132 GiB); a backend that reports none (the CPU) needs
+    --limit_gib, which the dry run passes."""
+    from jaxtrain.perf import memory
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    assert memory.device_limit_bytes(Device({"bytes_limit": 79_725_330_432,
+                                             "bytes_in_use": 0})) == 79_725_330_432
+    assert memory.device_limit_bytes(Device(None)) is None  # XLA:CPU
+    assert memory.device_limit_bytes(object()) is None
+    gpu = load_script()
+    dry = {step.name: command for step, command, _ in gpu.items("D", "A", "W", dry=True)}
+    assert "--limit_gib=0.25" in dry["resnet50_largest_batch"]
 
 
 # airbench94_muon's output as it prints it (two finished runs, a third cut off).
@@ -314,14 +412,14 @@ AUTOTUNE mm(2000x256, 256x10)
 
 
 def test_airbenchs_output_is_read_run_by_run():
-    h200 = load_script()
-    parsed = h200.parse_airbench(AIRBENCH_LINES)
+    gpu = load_script()
+    parsed = gpu.parse_airbench(AIRBENCH_LINES)
     assert parsed["warmup"]["tta_val_acc"] == 0.1 and parsed["finished"] is False
     assert [(r["run"], r["epochs"], r["tta_val_acc"], r["time_seconds"]) for r in parsed[
         "runs"]] == [(0, 2, 0.907, 1.47), (1, 1, 0.908, 1.31)]
     assert parsed["accuracy_mean"] == pytest.approx(0.9075)
     assert (parsed["seconds_min"], parsed["seconds_max"]) == (1.31, 1.47)
-    done = h200.parse_airbench(AIRBENCH_LINES[:-2] + ["Mean: 0.9075    Std: 0.0007"])
+    done = gpu.parse_airbench(AIRBENCH_LINES[:-2] + ["Mean: 0.9075    Std: 0.0007"])
     assert done["finished"] and done["mean_line"] == "Mean: 0.9075    Std: 0.0007"
 
 
@@ -329,12 +427,14 @@ def test_airbenchs_output_is_read_run_by_run():
 def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(airbench_part2):
     """Part 2, dry: the stand-in reads the cifar10/*.pt the item wrote (its accuracy is above
     chance only if images and labels line up) and prints airbench's table; the item stops
-    it before its cap and h200_part2.json holds every run it finished."""
+    it before its cap and gpu_part2.json holds every run it finished."""
     tmp_path, script = airbench_part2
     result = finish(script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    report = json.loads((tmp_path / "h200_part2.json").read_text())
-    assert report["part"] == 2 and list(report["setup"]) == ["data"]
+    report = json.loads((tmp_path / "gpu_part2.json").read_text())
+    assert report["part"] == 2 and list(report["setup"]) == ["data", "preflight"]
+    assert report["setup"]["preflight"]["status"] == "ok"  # torch, the stand-in's script
+    assert report["environment"]["child"]["airbench"]["reviewed"] is False
     entry = report["items"]["airbench94_muon"]
     assert entry["status"] == "ok" and "--airbench_seconds=13" in entry["command"]
     found = entry["result"]
@@ -350,7 +450,7 @@ def test_the_airbench_item_feeds_it_the_data_and_reads_it_until_its_cap(airbench
 
 @pytest.mark.slow
 def test_airbench_is_prepared_from_a_clone_or_a_file(tmp_path):
-    h200 = load_script()
+    gpu = load_script()
     repo = tmp_path / "cifar10-airbench"
     repo.mkdir()
     (repo / "airbench94_muon.py").write_text("print('airbench')\n")
@@ -358,12 +458,12 @@ def test_airbench_is_prepared_from_a_clone_or_a_file(tmp_path):
     subprocess.run(git + ["init", "-q"], check=True)
     subprocess.run(git + ["add", "airbench94_muon.py"], check=True)
     subprocess.run(git + ["commit", "-qm", "x"], check=True)
-    path = h200.prepare_airbench(str(repo), str(tmp_path / "out"))
+    path = gpu.prepare_airbench(str(repo), str(tmp_path / "out"))
     assert Path(path).read_text() == "print('airbench')\n"
     source = json.loads((tmp_path / "out" / "source.json").read_text())
     head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert source["commit"] == head.strip() and source["reviewed"] is False  # not f1c599c
-    h200.prepare_airbench(path, str(tmp_path / "again"))  # the file itself
+    gpu.prepare_airbench(path, str(tmp_path / "again"))  # the file itself
     assert json.loads((tmp_path / "again" / "source.json").read_text())["commit"] is None
     assert "/.airbench/" in (REPO / ".gitignore").read_text().splitlines()
 
@@ -374,4 +474,5 @@ def test_an_unknown_item_is_a_one_line_usage_error(tmp_path):
                              "--only=speedrun,sppedrun"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "error: --only: unknown item(s) sppedrun; choose from speedrun_corners," in result.stderr
+    assert "error: --only: unknown item(s) sppedrun; choose from speedrun, speedrun_corners," in (
+        result.stderr)
