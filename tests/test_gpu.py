@@ -231,7 +231,7 @@ def test_the_plan_adds_up_and_benchmarks_md_shows_it():
     # Two device calls: 540 + 200 s of items and the machine's start fit a 900 s loan.
     assert gpu.BUDGETS == {1: 540, 2: 200} and gpu.BUDGET == gpu.BUDGETS[1]
     for part, (plan, extras) in gpu.PARTS.items():
-        assert gpu.BUDGETS[part] - 30 <= sum(step.cap for step in plan) <= gpu.BUDGETS[part]
+        assert sum(step.cap for step in plan) == gpu.BUDGETS[part]
         assert all(step.expected < step.cap for step in plan + extras)
         names = [step.name for step, *_ in gpu.items("D", "A", "W", dry=False, part=part)]
         assert names == [s.name for s in plan + extras if s.name not in gpu.SETUP]
