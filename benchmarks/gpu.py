@@ -658,6 +658,9 @@ def versions() -> dict:
                      "cuda_available": torch.cuda.is_available(),
                      "device": (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                                 else None)}
+    if torch.cuda.is_available():  # torch.compile's max-autotune writes Triton kernels
+        import triton
+        info["triton"] = triton.__version__
     return info
 
 
@@ -675,8 +678,8 @@ def preflight() -> dict:
     sys.path.insert(0, REPO)
     for module in ("main", "jaxtrain.bench", "jaxtrain.compare", "jaxtrain.run.loop",
                    "jaxtrain.baselines.torch_models", "jaxtrain.baselines.torch_optim",
-                   "ml_collections",
-                   "tensorboardX", "configs.cifar_speedrun", "configs.imagenet_resnet50"):
+                   "jaxtrain.perf.memory", "torchvision", "ml_collections", "tensorboardX",
+                   "configs.cifar_speedrun", "configs.imagenet_resnet50", "configs.finetune"):
         importlib.import_module(module)
     from configs import cifar_speedrun
     from jaxtrain import models
@@ -710,9 +713,6 @@ def preflight_part2(airbench_script: str) -> dict:
     info = versions()
     if info["backend"] == "gpu" and not torch.cuda.is_available():
         raise RuntimeError(f"JAX has the GPU but torch {torch.__version__} sees no CUDA device")
-    if torch.cuda.is_available():
-        import triton
-        info["triton"] = triton.__version__
     if not os.path.isfile(airbench_script):
         raise FileNotFoundError(f"no {airbench_script}: prepare it first (benchmarks/gpu.py's "
                                 "header: --prepare_airbench)")
