@@ -328,6 +328,13 @@ def test_the_best_settings_come_from_the_items_before(tmp_path):
             "--xla_gpu_autotune_level=1") in command
 
 
+@pytest.mark.slow
+def test_part_2s_preflight_stops_at_a_missing_airbench_script(tmp_path):
+    gpu = load_script()
+    with pytest.raises(FileNotFoundError, match="prepare it first .*--prepare_airbench"):
+        gpu.preflight_part2(str(tmp_path / "airbench94_muon.py"))
+
+
 def test_every_ratio_is_to_the_baseline_of_the_same_call():
     gpu = load_script()
 
