@@ -445,3 +445,30 @@ def test_only_processes_of_a_multi_process_run_with_the_peer_watch_are_supervise
     assert supervise.wanted(["--config=c.py"], {"SLURM_NTASKS": "8"})
     assert supervise.wanted(["--config=c.py"], {"JAX_NUM_PROCESSES": "2"})
     assert not supervise.wanted(["--num_processes=two"], {})  # absl says what is wrong
+
+
+@pytest.mark.parametrize("said", [True, False])
+def test_gloos_lines_go_to_the_workdirs_log_or_at_the_end_to_the_console(tmp_path, monkeypatch,
+                                                                        said):
+    """supervise's stdout relay: gloo's connection lines into WORKDIR/gloo-process1.log once
+    the child has named its workdir; a child that ended without naming it leaves them on
+    the console after its other lines, not lost."""
+    import io
+    import types
+    from jaxtrain.runtime import supervise
+    info = tmp_path / "info.json"
+    if said:
+        info.write_text(json.dumps({"workdir": str(tmp_path), "process": 1}))
+    console = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", types.SimpleNamespace(buffer=console))
+    read, write = os.pipe()
+    os.write(write, b"epoch 1\n[Gloo] Rank 1 is connected to 1 peer ranks.\nstep 5")
+    os.close(write)
+    supervise.relay_stdout(read, str(info))
+    os.close(read)
+    gloo = b"[Gloo] Rank 1 is connected to 1 peer ranks.\n"
+    if said:
+        assert console.getvalue() == b"epoch 1\nstep 5\n"
+        assert (tmp_path / "gloo-process1.log").read_bytes() == gloo
+    else:
+        assert console.getvalue() == b"epoch 1\nstep 5\n" + gloo

@@ -22,6 +22,7 @@ from jaxtrain.training import checkpoint, chunks, evaluation as evaluation_lib, 
 
 PRINT = functools.partial(print, flush=True)  # the console's lines, as they happen
 
+
 def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
                        profile_steps: int = 0, warm_up: bool = False, callbacks=(),
                        peers=None) -> dict:

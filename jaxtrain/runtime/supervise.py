@@ -152,7 +152,8 @@ def relay(fd: int) -> bytes | None:
 def relay_stdout(fd: int, info_file: str) -> None:
     """Copies the child's stdout to this process's line by line, but for gloo's lines,
     which go to WORKDIR/gloo-process<N>.log once the child has said where its run
-    writes (supervise.tell; until then they wait here)."""
+    writes (supervise.tell; until then they wait here, and reach the console after all
+    if the child ends without saying)."""
     out, pending, held = sys.stdout.buffer, b"", []
     while True:
         try:
@@ -166,10 +167,12 @@ def relay_stdout(fd: int, info_file: str) -> None:
                 held.append(line)
             elif line or data:
                 out.write(line + b"\n")
-        out.flush()
         held = log_gloo_lines(held, info_file)
         if not data:
+            out.write(b"".join(line + b"\n" for line in held))
+            out.flush()
             return
+        out.flush()
 
 
 def log_gloo_lines(lines: list, info_file: str) -> list:
