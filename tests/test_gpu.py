@@ -94,8 +94,8 @@ def test_every_item_runs_and_reports_its_figures(dry_run):
     report = json.loads((out / "gpu.json").read_text())
     items = report["items"]
     assert list(items) == list(CI_ITEMS)
-    assert set(CI_ITEMS) <= {step.name for step, *_ in load_script().items("D", "A", "W",
-                                                                            dry=True)}
+    assert set(CI_ITEMS) <= {step.name for step, *_ in load_script().items(
+        "D", "A", "W", dry=True)}
     for name, entry in items.items():
         assert entry["status"] == "ok", (name, entry.get("error"))
     assert report["dry"] and report["environment"]["child"]["backend"] == "cpu"
@@ -141,7 +141,7 @@ def test_an_item_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
     gpu = load_script()
     log = tmp_path / "sleep.log"
     status, seconds = gpu.run_item([sys.executable, "-c", "import time; time.sleep(60)"],
-                                    str(log), timeout=1.0, env={})
+                                   str(log), timeout=1.0, env={})
     assert status == "stopped after 1 s (out of time)" and seconds < 30
     assert log.read_text().startswith("$ ")
     result = subprocess.run([sys.executable, str(SCRIPT), "--data_dir=D", f"--out={tmp_path}",
@@ -316,12 +316,12 @@ def test_the_best_settings_come_from_the_items_before(tmp_path):
     assert plain["why"][1].startswith("plain: the default pooling's 1.290 s")
     del done["speedrun"]
     assert gpu.best_settings({}) == {"config": "corners", "overrides": list(gpu.CORNERS),
-                                      "xla_flags": "", "settings": [], "why": [
-                                          "speedrun_corners has no runs: corners, XLA's "
-                                          "default settings"]}
+                                     "xla_flags": "", "settings": [], "why": [
+                                         "speedrun_corners has no runs: corners, XLA's "
+                                         "default settings"]}
     # The item's command carries the choice.
-    listed = {step.name: command for step, command, _ in gpu.items("D", "A", str(tmp_path),
-                                                                     dry=False)}
+    listed = {step.name: command for step, command, _ in gpu.items(
+        "D", "A", str(tmp_path), dry=False)}
     command, chosen = listed["whole_process_best"](done)
     assert chosen["config"] == "corners" and "--whole_process" in command
     assert ("--config.train.xla_flags=--xla_gpu_enable_triton_gemm=false "

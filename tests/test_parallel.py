@@ -448,8 +448,8 @@ def test_only_processes_of_a_multi_process_run_with_the_peer_watch_are_supervise
 
 
 @pytest.mark.parametrize("said", [True, False])
-def test_gloos_lines_go_to_the_workdirs_log_or_at_the_end_to_the_console(tmp_path, monkeypatch,
-                                                                        said):
+def test_gloos_lines_go_to_the_workdirs_log_or_at_the_end_to_the_console(
+        tmp_path, monkeypatch, said):
     """supervise's stdout relay: gloo's connection lines into WORKDIR/gloo-process1.log once
     the child has named its workdir; a child that ended without naming it leaves them on
     the console after its other lines, not lost."""
