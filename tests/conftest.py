@@ -230,6 +230,18 @@ def no_internet_downloads():
     os.environ.setdefault('JAXTRAIN_DOWNLOAD_MIRROR', 'http://127.0.0.1:9/')
 
 
+@pytest.fixture(scope='session', autouse=True)
+def one_compilation_cache():
+    """JAX's persistent compilation cache on in each worker from its start, in the folder
+    every run of the session shares (train.compilation_cache's default under this HOME).
+    JAX keeps the first folder a process sets (xla_cache.enable), so otherwise a test that
+    trains in this process with HOME pointed at an empty folder of its own would move every
+    program the worker compiled after it into that folder, shared with no one."""
+    from jaxtrain.config import defaults
+    from jaxtrain.runtime import xla_cache
+    xla_cache.enable(defaults.get_config().train.compilation_cache)
+
+
 IN_CI = os.environ.get('CI', '').lower() in ('true', '1')
 
 
