@@ -127,8 +127,9 @@ def run():
     summary.json could not account for."""
     from jaxtrain.runtime import supervise
     if supervise.wanted(sys.argv[1:]):
-        sys.stdout.flush()
-        os._exit(supervise.run())
+        status = supervise.run()  # None: this is the trainer it forked
+        if status is not None:
+            os._exit(status)
     try:
         app.run(main, flags_parser=parse_flags)
     except SystemExit as done:

@@ -1,23 +1,23 @@
 """A multi-process run's trainer in a child process, watched by a small parent.
 
-A process whose peer dies in the middle of a collective can end inside JAX's runtime
-(gloo throws in one of its C++ threads: `terminate called after throwing an instance of
+A process whose peer dies in the middle of a collective can end inside JAX's runtime (gloo
+throws in one of its C++ threads: `terminate called after throwing an instance of
 'gloo::EnforceNotMet'`, then `Fatal Python error: Aborted`, a page of thread dumps, exit
-134) before its heartbeat watch (processes.watch_peers) sees the peer gone. Nothing in
-that process outlives it; this parent does. It runs the same command as its child,
+134) before its heartbeat watch (processes.watch_peers) sees the peer gone. Nothing in that
+process outlives it; this parent does. It forks the command's trainer as its child (run),
 passes stdout and stderr through (but for gloo's connection lines, which go to a log file in
-the workdir instead of the console table), and when the child ends natively it keeps the native
-report in a file and says what happened in one line with exit status 75 (rerun every
-process), as a lost peer's heartbeat does. Signals sent to it reach the child, and a
-parent that is killed takes its child with it (Linux: PR_SET_PDEATHSIG).
+the workdir instead of the console table), and when the child ends natively it keeps the
+native report in a file and says what happened in one line with exit status 75 (rerun every
+process), as a lost peer's heartbeat does. Signals sent to it reach the child, and a parent
+that is killed takes its child with it (Linux: PR_SET_PDEATHSIG).
 
-Imported by the command line before JAX: nothing here imports it.
+The fork comes before JAX starts a backend: nothing here imports JAX but tell().
 """
+import io
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
 
 ENV = "JAXTRAIN_SUPERVISED"  # in the child: the file in which it says who it is
@@ -73,35 +73,38 @@ def tell(workdir: str, checkpoints: str) -> None:
         json.dump(info, f)
 
 
-def _die_with_parent() -> None:  # in the child, before it runs the command
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: a killed parent leaves its child to its own peer watch
-
-
-def run(argv=None) -> int:
-    """Runs this command again as a child process and returns the status to exit with."""
+def run(argv=None) -> int | None:
+    """Forks this command's trainer: returns None in the child, which goes on as the
+    command, and in the parent the status to exit with once the child has ended. A fork
+    (this process has imported JAX, and started no backend yet) spares the child a
+    second interpreter's imports."""
     import tempfile
-    command = [sys.executable, *(argv if argv is not None else sys.orig_argv[1:])]
     handle, info_file = tempfile.mkstemp(prefix="jaxtrain-process-", suffix=".json")
     os.close(handle)
-    # Unbuffered: through the pipe, each line reaches the console as it would unpiped.
-    child = subprocess.Popen(command, env={**os.environ, ENV: info_file, "PYTHONUNBUFFERED": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             preexec_fn=_die_with_parent)
+    (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        os.close(out_read)
+        os.close(err_read)
+        _become_the_trainer(out_write, err_write, info_file)
+        return None
+    os.close(out_write)
+    os.close(err_write)
     import threading
-    stdout = threading.Thread(target=relay_stdout, args=(child.stdout.fileno(), info_file))
+    stdout = threading.Thread(target=relay_stdout, args=(out_read, info_file))
     stdout.start()
+    ended = []
 
     def forward(signum, frame):
-        if child.poll() is None:
-            child.send_signal(signum)
+        if not ended:
+            os.kill(child, signum)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
-    native = relay(child.stderr.fileno())
-    status = child.wait()
+    native = relay(err_read)
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    ended.append(status)
     stdout.join()
     try:
         with open(info_file) as f:
@@ -116,6 +119,27 @@ def run(argv=None) -> int:
         return status  # its own ending (one line already, if any)
     report(native or b"", status, info, argv if argv is not None else sys.orig_argv)
     return PEER_LOST
+
+
+def _become_the_trainer(out_write: int, err_write: int, info_file: str) -> None:
+    """In the forked child: stdout and stderr into the parent's pipes, unbuffered (each
+    line reaches the console as it would unpiped), told where to say who it is (tell),
+    and killed with its parent (Linux: PR_SET_PDEATHSIG)."""
+    os.dup2(out_write, 1)
+    os.dup2(err_write, 2)
+    os.close(out_write)
+    os.close(err_write)
+    os.environ[ENV] = info_file
+    os.environ["PYTHONUNBUFFERED"] = "1"  # and in what it starts, as before
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", write_through=True)
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed parent leaves its child to its own peer watch
 
 
 def relay(fd: int) -> bytes | None:
