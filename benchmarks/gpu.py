@@ -289,7 +289,8 @@ DRY_SPEEDRUN = ("--config.model.widths=(8,16,16)", "--config.model.stem_width=12
                 "--config.eval.batch_size=250")
 DRY_CIFAR = ("--config.model.widths=(8,16,16)", "--config.model.stem_width=8",
              "--config.train.batch_size=100", "--config.train.num_steps=4",
-             "--config.eval.batch_size=250")
+             "--config.eval.batch_size=250",
+             "--config.eval.tta=none")  # six views of 10,000 images: the speedrun items test TTA
 DRY_SEED = ("--config.train.num_steps=20", "--config.train.log_every_steps=10",
             "--config.eval.batch_size=250")
 # ResNet-50's throughput: CIFAR-10 images upscaled 7x (224 px) held on the device.
