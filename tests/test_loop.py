@@ -191,6 +191,23 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
         "directory); set train.compilation_cache='' to run without the compilation cache")
 
 
+def test_the_cache_keeps_its_most_recently_used_programs_within_its_limit(tmp_path):
+    """Trimmed once a process (xla_cache.trim), not by JAX's eviction before each write."""
+    from jaxtrain.runtime import xla_cache
+    day, now = 86400, 1.8e9
+    for name, days_unused in (("a", 5), ("b", 1), ("c", 3), ("d", 2)):
+        program = tmp_path / f"{name}-cache"
+        program.write_bytes(b"x" * 100)
+        os.utime(program, (now - days_unused * day, now - days_unused * day))
+    xla_cache.trim(str(tmp_path), -1)  # no limit
+    xla_cache.trim(str(tmp_path), 400)  # at the limit
+    assert len(list(tmp_path.iterdir())) == 4
+    xla_cache.trim(str(tmp_path), 250)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b-cache", "d-cache"]
+    assert jax.config.jax_compilation_cache_dir  # on (conftest), with JAX's limit off
+    assert jax.config.jax_compilation_cache_max_size == -1
+
+
 # ---------------------------------------------------------------- main.py, as a user runs it
 
 def main_py(workdir, data_dir, home, *args):

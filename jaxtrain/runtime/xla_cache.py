@@ -6,8 +6,12 @@ Training and restore turn it on by default (train.compilation_cache, '' = off).
 JAX reads these settings when it first compiles, so they must be set before
 that; a cache folder set already (JAX_COMPILATION_CACHE_DIR, an earlier run in
 the same process, bench --compilation_cache) is kept.
+
+The folder is kept under MAX_BYTES once a process, when the cache is turned on (trim),
+rather than by JAX's own size limit, whose eviction reads every entry's size and last
+use before each program it writes: a cost that grows with the folder, paid on every
+compile.
 """
-import importlib.util
 import os
 
 import jax
@@ -15,7 +19,7 @@ import jax
 from jaxtrain.errors import ConfigError
 
 DEFAULT = "~/.cache/jaxtrain/xla"
-MAX_BYTES = 4 * 2**30  # least recently used programs go beyond this (needs filelock)
+MAX_BYTES = 4 * 2**30  # the least recently used programs beyond this go (trim); < 0: no limit
 
 
 def enable(directory: str, key: str = "train.compilation_cache") -> str | None:
@@ -34,13 +38,39 @@ def enable(directory: str, key: str = "train.compilation_cache") -> str | None:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"config.{key}={directory!r}: not writable; set {key}='' to run "
                           "without the compilation cache")
+    trim(path, MAX_BYTES)
     jax.config.update("jax_compilation_cache_dir", path)
     # JAX's defaults skip programs that compile in under a second; a quick start needs all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if importlib.util.find_spec("filelock") is not None:  # JAX's LRU eviction locks with it
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path
+
+
+def trim(path: str, limit: int) -> None:
+    """Removes the least recently used files of the folder until it holds at most `limit`
+    bytes (< 0: no limit). Last use: the file's access time where the filesystem keeps
+    it (Linux's relatime: to the day), else when it was written. A file another process
+    removed first is passed over; JAX reads a program it cannot find as not cached."""
+    if limit < 0:
+        return
+    entries = []
+    with os.scandir(path) as found:
+        for entry in found:
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    stat = entry.stat(follow_symlinks=False)
+                    entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
+            except FileNotFoundError:
+                continue
+    total = sum(size for _, size, _ in entries)
+    for _, size, file in sorted(entries):
+        if total <= limit:
+            break
+        try:
+            os.remove(file)
+        except FileNotFoundError:
+            pass
+        total -= size
 
 
 _COUNTS = {"hits": 0, "misses": 0}
