@@ -2,7 +2,9 @@
 
 The same as `python -m jaxtrain ...` (jaxtrain/__main__.py), kept for a checkout.
 """
-from jaxtrain.__main__ import run
-
+# Imported only when run as the command: a Grain worker process, which imports the main
+# module again (multiprocessing's spawn), then imports only what reading data needs.
 if __name__ == "__main__":
+    from jaxtrain.__main__ import run
+
     run()
