@@ -417,41 +417,6 @@ def test_relative_paths_are_kept_absolute_and_a_finished_run_says_so(
 
 
 @pytest.mark.slow
-def test_a_signal_during_an_evaluation_stops_it_between_two_batches(cifar_subset, tmp_path):
-    """SIGTERM while step 2 is evaluated (cifar_cnn at widths (16, 32, 64), 6-view TTA of
-    400 images at 64 px in batches of 10 on a CPU: seconds, after a step of a few
-    hundredths): the run stops after the batch in hand instead of the whole evaluation,
-    and keeps the steps trained: step 2's checkpoint."""
-    def up(x):
-        return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
-    npz = tmp_path / "cifar64.npz"
-    np.savez(npz, x_train=up(cifar_subset["x_train"][:64]), y_train=cifar_subset["y_train"][:64],
-             x_test=up(cifar_subset["x_test"][:400]), y_test=cifar_subset["y_test"][:400])
-    workdir = tmp_path / "run"
-    process = fork_server.Popen(
-        [sys.executable, "main.py", "--config=configs/cifar.py", f"--workdir={workdir}",
-         "--config.data.name=arrays", f"--config.data.dir={npz}", "--config.train.num_steps=3",
-         "--config.train.batch_size=4", "--config.eval.every_steps=2",
-         "--config.eval.batch_size=10", "--config.eval.tta_fraction=1.0",
-         "--config.train.chunk_steps=1", "--config.model.widths=(16,32,64)"], cwd=REPO,
-        env=quick_compile.env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_step(workdir, 1, process)  # step 1's row: step 2 trains, then evaluates
-    time.sleep(0.5)
-    sent = time.time()
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=120)
-    assert time.time() - sent < 20  # a test batch, a checkpoint: seconds (measured: benchmarks/)
-    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert err.strip().splitlines()[-1] == (
-        f"stopped: interrupted by SIGTERM while evaluating step 2 (evaluated when the run "
-        f"resumes); checkpoint saved in {workdir / 'checkpoints'}/2. Run the same command again "
-        "to resume")
-    assert steps_saved(workdir) == [2] and not (workdir / "summary.json").exists()
-    rows = report.read_metrics(str(workdir))
-    assert [r["step"] for r in rows] == [1, 2] and not any("test_loss" in r for r in rows)
-
-
-@pytest.mark.slow
 def test_a_finished_run_trains_on_for_more_epochs_as_the_command_asks(cifar_batches_dir,
                                                                       tmp_path):
     """The user's command again with more epochs: a finished run (a linear-decay schedule,

@@ -166,8 +166,9 @@ def test_a_signal_at_a_chunks_end_saves_it_before_any_evaluation(uninterrupted, 
 def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
     """Step 5's checkpoint, then the evaluation of step 10 (six test-time views of 10,000
     images: about 4 s when idle, where steps 6-10 of 32 images take a few hundredths of
-    one): SIGINT a second after step 5's row stops it after the test batch in hand,
-    step 10 is saved, and the rerun evaluates it before it trains on."""
+    one): SIGINT a second after step 5's row stops it after the test batch in hand
+    (test_train.py: the evaluation stops between two batches), step 10 is saved, and the
+    rerun evaluates it before it trains on."""
     workdir = tmp_path / "run"
     flags = ["--config.train.num_steps=15", "--config.train.batch_size=32",
              "--config.train.log_every_steps=5", "--config.checkpoint.every_steps=5",
@@ -190,7 +191,7 @@ def test_a_signal_during_an_evaluation_saves_the_steps_it_evaluates(tmp_path):
         "again to resume")
     assert checkpoint.saved_steps(str(workdir / "checkpoints")) == [5, 10]
     assert [row["step"] for row in train_rows(workdir)] == [5, 10]
-    assert not evaluated_steps(workdir)
+    assert not evaluated_steps(workdir) and not (workdir / report.SUMMARY_FILE).exists()
     done = fork_server.run([*COMMAND, f"--workdir={workdir}", *flags], cwd=REPO, env=ENV,
                            capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
