@@ -3,10 +3,8 @@ pages show names a config file that exists, config keys jaxtrain knows and flags
 command defines (so a page cannot drift from the code)."""
 import csv
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -121,7 +119,8 @@ def runnable(name: str, words: list) -> bool:
 DOCUMENTED_RUNS = [(page, name, words) for page, name, words in page_commands()
                    if runnable(name, words)]
 
-# Runs each command in a child forked after the heavy imports, as its module's __main__.
+# Runs each command in a child forked after the heavy imports (done once, by fork_server),
+# as its module's __main__.
 RUNNER = """
 import json, os, runpy, sys, traceback
 commands = json.loads(sys.argv[1])
@@ -195,8 +194,8 @@ def test_every_documented_command_that_runs_on_a_cpu_runs_as_written(
     # XLA's LLVM at -O0: the commands compile big programs (ResNet-50's memory report) and
     # run them for a few images at most (quick_compile.py)
     env = {**quick_compile.env(0), "PYTHONPATH": f"{REPO}", "HOME": str(home)}
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(commands)], cwd=root,
-                          capture_output=True, text=True, timeout=900, env=env)
+    done = fork_server.run([sys.executable, "-c", RUNNER, json.dumps(commands)], cwd=root,
+                           capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     for (page, name, words), result in zip(DOCUMENTED_RUNS, results):

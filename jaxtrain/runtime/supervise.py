@@ -99,7 +99,10 @@ def run(argv=None) -> int | None:
 
     def forward(signum, frame):
         if not ended:
-            os.kill(child, signum)
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass  # reaped a moment ago
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
     native = relay(err_read)
