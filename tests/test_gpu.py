@@ -2,12 +2,13 @@
 one GPU run a loan allows does not fail on something a CPU could have caught.
 
 CI runs one item of each command the script uses (bench --inspect --profile, main.py,
-compare with torch.compile switched on, as a GPU has it), the speedrun benchmark stopped
-at its cap, and part 2's airbench item against benchmarks/airbench_standin.py (airbench
-needs CUDA); the two capped items run in the background while the dry run's items use the
-CPU, since they mostly wait out their caps. The other items' commands are the same commands
-with flags the test modules of bench, speedrun, compare and the levers run. Before a GPU
-loan, run every item by hand:
+compare with torch.compile switched on, as a GPU has it), the speedrun benchmark stopped at
+its cap, and part 2's airbench item against benchmarks/airbench_standin.py (airbench needs
+CUDA); the two capped items run in the background while the dry run's items use the CPU,
+since they mostly wait out their caps. XLA's LLVM at -O0 for their few steps
+(quick_compile.py: the HLO, hence the counts inspect reports, is the same at every level).
+The other items' commands are the same commands with flags the test modules of bench,
+speedrun, compare and the levers run. Before a GPU loan, run every item by hand:
     python3 benchmarks/gpu.py --dry --data_dir=DIR --out=/tmp/gpu
     python3 benchmarks/gpu.py --dry --part=2 --data_dir=DIR --out=/tmp/gpu
 """
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import quick_compile
 from conftest import finish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +53,8 @@ def capped_speedrun(cifar_batches_dir, tmp_path_factory):
                                "--wheels=/nonexistent", "--only=speedrun,seed_64_replicas",
                                "--runs=100000", "--caps=speedrun=60,seed_64_replicas=1"],
                               cwd=REPO, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
+                              stderr=subprocess.PIPE,
+                              env={**quick_compile.env(0), "TMPDIR": str(scratch)})
     freezer = threading.Thread(target=freeze_once_a_run_is_written, daemon=True, args=(
         script, str(scratch / "jaxtrain-gpu-*" / "work" / "speedrun.json")))
     freezer.start()
@@ -83,7 +86,8 @@ def dry_run(cifar_batches_dir, tmp_path_factory, capped_speedrun, airbench_part2
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry",
                              f"--data_dir={cifar_batches_dir}", f"--out={out}",
                              f"--wheels={out / 'no-wheels'}", f"--only={','.join(CI_ITEMS)}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+                            cwd=REPO, capture_output=True, text=True, timeout=900,
+                            env=quick_compile.env(0))
     return out, result
 
 
