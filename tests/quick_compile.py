@@ -11,6 +11,9 @@ small steps do not notice; at -O1 they compile almost as fast and run as fast as
 (SPMD partitioning, fusion, collectives) are the same at every level, and so is what the
 tests check; results differ from -O2's by float rounding only (like those of another
 device count), so every run a test compares with another is compiled at the same level.
+Two different programs a test holds to 1e-5 of each other (1 and 8 devices, a replica
+and its single run) compile at -O1: at -O0 a Xeon with AVX-512 rounds them apart by more
+than that within 10 steps (tests/test_parallel.py, tests/test_replicas.py).
 """
 import contextlib
 import os
