@@ -73,7 +73,7 @@ def tell(workdir: str, checkpoints: str) -> None:
         json.dump(info, f)
 
 
-def run(argv=None) -> int | None:
+def run() -> int | None:
     """Forks this command's trainer: returns None in the child, which goes on as the
     command, and in the parent the status to exit with once the child has ended. A fork
     (this process has imported JAX, and started no backend yet) spares the child a
@@ -120,7 +120,7 @@ def run(argv=None) -> int | None:
         return 128 - status  # SIGTERM, SIGKILL, ...: the shell's status for it
     if status >= 0 and (native is None or status == 0):
         return status  # its own ending (one line already, if any)
-    report(native or b"", status, info, argv if argv is not None else sys.orig_argv)
+    report(native or b"", status, info, sys.orig_argv)
     return PEER_LOST
 
 
