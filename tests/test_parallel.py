@@ -38,9 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Such differences stay near 1e-7 unless a ReLU input lands within them of zero:
 # then one example's gradient flips on or off and the runs part by ~1e-4 (seen
 # with an MLP of widths (128, 64) at step 4). The recipes below are fixed and
-# do not meet such a point in their 10 steps, compiled at LLVM -O1 (COMPARED_LEVEL):
-# at -O0 a Xeon with AVX-512 rounds the 1- and 8-device CNN apart by 6e-7 at step 5
-# and 4e-4 at step 10, where -O1 keeps them within 1.1e-7 (as an AVX2 machine did).
+# do not meet such a point in their 10 steps when compiled at LLVM -O1
+# (COMPARED_LEVEL): at -O0 a Xeon with AVX-512 rounds the 1- and 8-device CNN
+# apart by 6e-7 at step 5 and 4e-4 at step 10 (-O1: within 1.1e-7; the earlier
+# machines held at -O0 too).
 LOSS_RTOL = 1e-5
 COMPARED_LEVEL = 1
 PARAM_ATOL, PARAM_RTOL = 1e-5, 1e-4
