@@ -13,7 +13,7 @@ tests check; results differ from -O2's by float rounding only (like those of ano
 device count), so every run a test compares with another is compiled at the same level.
 Two different programs a test holds to 1e-5 of each other (1 and 8 devices, a replica
 and its single run) compile at -O1: at -O0 a Xeon with AVX-512 rounds them apart by more
-than that within 10 steps (tests/test_parallel.py, tests/test_replicas.py).
+than that within their 10 and 24 steps (tests/test_parallel.py, tests/test_replicas.py).
 """
 import contextlib
 import os
