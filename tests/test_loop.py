@@ -192,18 +192,22 @@ def test_an_impossible_cache_folder_is_a_config_error(tmp_path):
 
 
 def test_the_cache_keeps_its_most_recently_used_programs_within_its_limit(tmp_path):
-    """Trimmed once a process (xla_cache.trim), not by JAX's eviction before each write."""
+    """Trimmed once a process (xla_cache.trim), not by JAX's eviction before each write;
+    only JAX's programs (and their last-use files) are counted and removed."""
     from jaxtrain.runtime import xla_cache
     day, now = 86400, 1.8e9
     for name, days_unused in (("a", 5), ("b", 1), ("c", 3), ("d", 2)):
         program = tmp_path / f"{name}-cache"
         program.write_bytes(b"x" * 100)
         os.utime(program, (now - days_unused * day, now - days_unused * day))
+    (tmp_path / "a-atime").write_bytes(b"t")  # JAX's eviction kept one beside a program
+    (tmp_path / "notes.txt").write_bytes(b"y" * 1000)  # not JAX's: never counted or removed
+    os.utime(tmp_path / "notes.txt", (0, 0))
     xla_cache.trim(str(tmp_path), -1)  # no limit
     xla_cache.trim(str(tmp_path), 400)  # at the limit
-    assert len(list(tmp_path.iterdir())) == 4
+    assert len(list(tmp_path.iterdir())) == 6
     xla_cache.trim(str(tmp_path), 250)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b-cache", "d-cache"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b-cache", "d-cache", "notes.txt"]
     assert jax.config.jax_compilation_cache_dir  # on (conftest), with JAX's limit off
     assert jax.config.jax_compilation_cache_max_size == -1
 

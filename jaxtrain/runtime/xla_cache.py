@@ -20,6 +20,7 @@ from jaxtrain.errors import ConfigError
 
 DEFAULT = "~/.cache/jaxtrain/xla"
 MAX_BYTES = 4 * 2**30  # the least recently used programs beyond this go (trim); < 0: no limit
+CACHE_SUFFIX, ATIME_SUFFIX = "-cache", "-atime"  # JAX's names for a program, its last use
 
 
 def enable(directory: str, key: str = "train.compilation_cache") -> str | None:
@@ -47,17 +48,19 @@ def enable(directory: str, key: str = "train.compilation_cache") -> str | None:
 
 
 def trim(path: str, limit: int) -> None:
-    """Removes the least recently used files of the folder until it holds at most `limit`
-    bytes (< 0: no limit). Last use: the file's access time where the filesystem keeps
-    it (Linux's relatime: to the day), else when it was written. A file another process
-    removed first is passed over; JAX reads a program it cannot find as not cached."""
+    """Removes the least recently used programs of the folder (JAX's `*-cache` files, with
+    the `*-atime` file JAX's own eviction kept beside each) until they hold at most
+    `limit` bytes (< 0: no limit); no other file there is counted or touched. Last use:
+    the file's access time where the filesystem keeps it (Linux's relatime: to the day),
+    else when it was written. A file another process removed first is passed over; JAX
+    reads a program it cannot find as not cached."""
     if limit < 0:
         return
     entries = []
     with os.scandir(path) as found:
         for entry in found:
             try:
-                if entry.is_file(follow_symlinks=False):
+                if entry.name.endswith(CACHE_SUFFIX) and entry.is_file(follow_symlinks=False):
                     stat = entry.stat(follow_symlinks=False)
                     entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
             except FileNotFoundError:
@@ -66,10 +69,11 @@ def trim(path: str, limit: int) -> None:
     for _, size, file in sorted(entries):
         if total <= limit:
             break
-        try:
-            os.remove(file)
-        except FileNotFoundError:
-            pass
+        for gone in (file, file.removesuffix(CACHE_SUFFIX) + ATIME_SUFFIX):
+            try:
+                os.remove(gone)
+            except FileNotFoundError:
+                pass
         total -= size
 
 
