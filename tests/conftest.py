@@ -103,22 +103,12 @@ def write_tar(archive, members):
 
 
 @pytest.fixture(scope="module")
-def compilation_cache():
-    """For a module that marks itself `usefixtures("compilation_cache")`: JAX's persistent
-    compilation cache on before it compiles anything, as a run turns it on: a program
-    compiled once in the session, by another test or worker, is read from disk."""
-    from jaxtrain.config import defaults
-    from jaxtrain.runtime import xla_cache
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
-
-
-@pytest.fixture(scope="module")
-def compile_quickly(compilation_cache):
-    """For a module that marks itself `usefixtures("compile_quickly")`: the compilation
-    cache on, and XLA at -O0 for what its tests compile in this process (quick_compile.py:
-    a CNN's init alone takes seconds at -O2). Every run a test there compares with another
-    is compiled so. Not for bit-for-bit comparisons of two different programs (XLA at -O0
-    may round them apart where -O2 does not)."""
+def compile_quickly():
+    """For a module that marks itself `usefixtures("compile_quickly")`: XLA at -O0 for
+    what its tests compile in this process (quick_compile.py: a CNN's init alone takes
+    seconds at -O2). Every run a test there compares with another is compiled so. Not for
+    close comparisons of two different programs (XLA at -O0 may round them apart where
+    -O1 does not)."""
     import quick_compile
     with quick_compile.in_process():
         yield
@@ -140,21 +130,17 @@ def session_root(tmp_path_factory, worker_id) -> Path:
 def once_per_session(tmp_path_factory, worker_id, name, make):
     """(folder, make(folder)): run by the first pytest-xdist worker that asks, read back
     (its JSON) by the others, so that a run several tests read is made once a session,
-    not once a worker. The persistent compilation cache is on in every worker that asks
-    (as a run turns it on), so that the programs a test compiles after the run are read
-    from it wherever the run was."""
+    not once a worker. The programs a test compiles after the run are read from the
+    persistent compilation cache wherever the run was (one_compilation_cache)."""
     import json
 
     import filelock
 
-    from jaxtrain.config import defaults
-    from jaxtrain.runtime import xla_cache
     root = session_root(tmp_path_factory, worker_id)
     folder, result = root / name, root / f'{name}.json'
     with filelock.FileLock(str(root / f'{name}.lock')):
         if not result.exists():
             result.write_text(json.dumps(make(folder)))
-    xla_cache.enable(defaults.get_config().train.compilation_cache)
     return folder, json.loads(result.read_text())
 
 

@@ -23,11 +23,10 @@ from jaxtrain.run import loop
 from jaxtrain.runtime import report
 from jaxtrain.training import replicas
 
-# The persistent cache, but XLA's own optimisation level (the suite's -O1, conftest.py):
-# these tests compare a vmapped program with a single run's to 1e-5, and XLA at -O0
-# (compile_quickly) rounds the two apart on a Xeon with AVX-512 (the seed CNN's replica 3
-# by 7e-5 of its test loss after 24 steps; within 2e-7 at -O1).
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # conftest.py
+# No compile_quickly (conftest.py): these tests hold a vmapped program and a single run's
+# to 1e-5 of each other, and XLA at -O0 rounds the two apart on a Xeon with AVX-512 (the
+# seed CNN's replica 3 by 7e-5 of its test loss after 24 steps; within 2e-7 at the
+# session's -O1).
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ SEED = 3
 
 # every test here trains or compiles the recipe; at XLA's usual level, since two of them
 # compare two different programs' weights to the bit (conftest.py's compile_quickly)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]
+pytestmark = pytest.mark.slow
 
 
 def narrow_speedrun(data_dir, **overrides):
