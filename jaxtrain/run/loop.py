@@ -206,12 +206,9 @@ def evaluate(run, state, step: int, window, times, last, users, stop, new=(),
 
 def timed_evaluation(run, state, stop):
     """(metrics as Python floats, a list per metric for a replicated run; seconds)."""
-    several = jax.process_count() > 1
-    should_stop = ((lambda: processes.any_process(bool(stop()))) if several
-                   else (lambda: bool(stop())))
     with run.reporter.evaluation_progress(run.eval_fn.batches) as bar:
-        metrics, seconds = chunks.timed(run.eval_fn, state, *run.eval_arrays, should_stop,
-                                        bar.update)
+        metrics, seconds = chunks.timed(run.eval_fn, state, *run.eval_arrays,
+                                        lambda: processes.any_process(stop()), bar.update)
     return {name: float(value) if np.ndim(value) == 0 else [float(v) for v in value]
             for name, value in jax.device_get(metrics).items()}, seconds
 
