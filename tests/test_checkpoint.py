@@ -3,6 +3,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,31 @@ def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
     assert resumed["resumed_from_step"] == 20
     assert resumed["params_sha256"] == ref["params_sha256"]
     assert (tmp_path / checkpoint.SET_ASIDE_DIR / "30" / "state").is_dir()
+
+
+@pytest.mark.slow
+def test_arrays_cut_short_are_one_line_in_a_real_process(reference, tmp_path):
+    """A checkpoint whose array files were cut short (a disk filled, a copy stopped) with its
+    metadata whole: Orbax raises a bare Exception around TensorStore's error, and the
+    reads of the other arrays still end after it, each reporting a closed event loop.
+    main.py --mode=eval says it in one line (exit 1) and changes nothing on disk."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference[0], workdir)
+    arrays = [p for p in (workdir / "checkpoints" / "40" / "state").rglob("*")
+              if p.is_file() and p.parent.name == "d"]
+    assert len(arrays) > 1
+    for path in arrays:
+        path.write_bytes(path.read_bytes()[:100])
+    before = {str(p): p.stat().st_size for p in workdir.rglob("*")}
+    done = fork_server.run([sys.executable, "main.py", "--mode=eval", f"--workdir={workdir}"],
+                           cwd=REPO, env=quick_compile.env(1), capture_output=True, text=True,
+                           timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert re.fullmatch(
+        rf"error: checkpoint {workdir}/checkpoints/40 cannot be read \(ValueError: .+\); "
+        r"nothing was deleted; the older checkpoints on disk are steps 20, 30: "
+        r"--checkpoint=30 evaluates the newest of them\n", done.stderr), done.stderr[-3000:]
+    assert {str(p): p.stat().st_size for p in workdir.rglob("*")} == before
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ statistics untouched, workdirs as starting points, exact resume."""
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -315,6 +316,31 @@ def folder_config(folder, init_from):
     config.model.init_from = str(init_from)
     config.train.batch_size = 32
     return config
+
+
+@pytest.mark.slow
+def test_a_run_whose_arrays_are_cut_short_is_one_line_in_a_real_process(
+        cifar_workdir, cifar_batches_dir, tmp_path):
+    """model.init_from a run whose checkpoint's array files were cut short (its metadata
+    whole): one line naming TensorStore's error (exit 2), none of the reports of the
+    reads Orbax abandons, and the source run as it was."""
+    import shutil
+    source = tmp_path / "cifar"
+    shutil.copytree(cifar_workdir, source)
+    step_dir = readers.jaxtrain_step_dir(str(source), "")
+    arrays = [p for p in Path(step_dir, "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert len(arrays) > 1
+    for path in arrays:
+        path.write_bytes(path.read_bytes()[:100])
+    before = {str(p): p.stat().st_size for p in source.rglob("*")}
+    done = run_main("--config=configs/cifar_seed_cnn.py", f"--workdir={tmp_path / 'new'}",
+                    "--config.data.source=files", f"--config.data.dir={cifar_batches_dir}",
+                    "--config.model.batch_norm=True", f"--config.model.init_from={source}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.fullmatch(rf"error: config.model.init_from='{source}': checkpoint {step_dir} "
+                        r"cannot be read \((ValueError|OSError): [^\n]+\)\n", done.stderr), \
+        done.stderr[-3000:]
+    assert {str(p): p.stat().st_size for p in source.rglob("*")} == before
 
 
 @pytest.mark.slow

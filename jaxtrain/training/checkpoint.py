@@ -11,6 +11,8 @@ Nothing in it is pickled.
 import hashlib
 import logging
 import os
+import sys
+import traceback
 
 import jax
 import numpy as np
@@ -179,7 +181,8 @@ def check_compatible(manager, step: int, target: dict) -> None:
 
 
 # What Orbax and TensorStore raise for a checkpoint whose files are damaged or missing
-# (truncated: ValueError from TensorStore's decoding; deleted: FileNotFoundError).
+# (truncated: ValueError from TensorStore's decoding; deleted: FileNotFoundError). Orbax
+# raises a bare Exception for an array it cannot read, with TensorStore's error as its cause.
 DAMAGE = (OSError, ValueError, KeyError)
 
 
@@ -201,21 +204,74 @@ def restore(manager, state, rng, step: int | None = None, choose=resume_from):
         return None
     step = steps[-1] if step is None else step
     target = state_tree(state, rng)
+    quiet = QuietAbandonedReads()
     try:
         check_compatible(manager, step, target)
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    except DAMAGE as error:
+    except Exception as error:  # re-raised below unless it is damage (damage())
+        cause = damage(error)
+        if cause is None:
+            raise
         older = [s for s in steps if s < step]
         choice = (f"the older checkpoints on disk are steps {', '.join(map(str, older))}: "
                   f"{choose(older[-1])}" if older else "no older checkpoint is on disk")
         raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read "
-                              f"({type(error).__name__}: {first_line(error)}); nothing was "
+                              f"({type(cause).__name__}: {first_line(cause)}); nothing was "
                               f"deleted; {choice}") from error
+    quiet.remove()
     tree = restored["state"]
     state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
                           opt_state=tree["opt_state"], step=tree["step"], ema=tree.get("ema"))
     return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
+
+
+def damage(error: BaseException) -> BaseException | None:
+    """The DAMAGE error `error` is, or (Orbax's bare Exception for an array it cannot
+    read) has as its cause; None for any other error."""
+    for candidate in (error, error.__cause__):
+        if isinstance(candidate, DAMAGE):
+            return candidate
+    return None
+
+
+class QuietAbandonedReads:
+    """Orbax stops a restore at the first array it cannot read and closes its event loop
+    while TensorStore still reads the others. As each of those ends it reports 'Event
+    loop is closed' (sys.unraisablehook), and each read left unfinished reports its own
+    failure when collected (the hook, or asyncio's log): tracebacks that say nothing the
+    CheckpointError does not. While installed, those are dropped; any other report goes
+    where it went before. A restore that fails leaves it installed (its reads end later)."""
+
+    def __init__(self):
+        self.previous = sys.unraisablehook
+        sys.unraisablehook = self.unraisable
+        logging.getLogger("asyncio").addFilter(self.keeps)
+
+    def unraisable(self, report) -> None:
+        error, code = report.exc_value, getattr(report.object, "cr_code", None)
+        closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not (closed_loop or (code is not None and in_orbax(code.co_filename))):
+            self.previous(report)
+
+    def keeps(self, record) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not ("exception was never retrieved" in record.getMessage()
+                    and error is not None and (damage(error) is not None or
+                                               raised_in_orbax(error)))
+
+    def remove(self) -> None:
+        sys.unraisablehook = self.previous
+        logging.getLogger("asyncio").removeFilter(self.keeps)
+
+
+def in_orbax(filename: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in filename
+
+
+def raised_in_orbax(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and in_orbax(frames[-1].filename)
 
 
 def first_line(error: BaseException) -> str:

@@ -231,13 +231,19 @@ def _read_safetensors_torch(path: str, label: str) -> dict:
 def read_jaxtrain(step_dir: str, label: str) -> dict:
     """params and batch_stats of a jaxtrain checkpoint step folder, by '/'-joined path."""
     import orbax.checkpoint as ocp
+
+    from jaxtrain.training import checkpoint
+    quiet = checkpoint.QuietAbandonedReads()
     try:
         tree = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(step_dir, "state")))
-    except Exception as error:  # Orbax/TensorStore raise many types for damaged files
+    except Exception as error:  # re-raised below unless it is damage (damage())
+        cause = checkpoint.damage(error)
+        if cause is None:
+            raise
         raise WeightsError(f"config.model.init_from={label!r}: checkpoint {step_dir} cannot be "
-                           f"read ({type(error).__name__}: "
-                           f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''})"
+                           f"read ({type(cause).__name__}: {checkpoint.first_line(cause)[:200]})"
                            ) from None
+    quiet.remove()
     tensors = {}
     for collection in ("params", "batch_stats"):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree.get(collection) or {}):
