@@ -263,6 +263,17 @@ def test_a_corrupt_image_mid_epoch_names_the_file_and_keeps_the_checkpoint(cifar
         assert meta["step"] == 10 and meta["input"]["position"] == 10
     finally:
         manager.close()
+    # The checkpoint's iterator state damaged: one line, nothing deleted.
+    state = tmp_path / "run" / "checkpoints" / "10" / "input" / "process_0-of-1.json"
+    state.write_text(state.read_text()[:5])
+    process = start_main(tmp_path / "run", root, "--config.checkpoint.every_steps=10",
+                         "--config.data.mean=(0.5,)", "--config.data.std=(0.25,)")
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 1, err
+    assert re.fullmatch(rf"error: checkpoint {tmp_path}/run/checkpoints/10: its data iterator "
+                        r"state cannot be restored \(JSONDecodeError: [^\n]+\); nothing was "
+                        r"deleted; no older checkpoint is on disk\n", err), err
+    assert state.read_text() == '{"nex'
 
 
 SHARD_SCRIPT = """

@@ -213,17 +213,22 @@ def restore(manager, state, rng, step: int | None = None, choose=resume_from):
         cause = damage(error)
         if cause is None:
             raise
-        older = [s for s in steps if s < step]
-        choice = (f"the older checkpoints on disk are steps {', '.join(map(str, older))}: "
-                  f"{choose(older[-1])}" if older else "no older checkpoint is on disk")
         raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read "
                               f"({type(cause).__name__}: {first_line(cause)}); nothing was "
-                              f"deleted; {choice}") from error
+                              f"deleted; {older_choice(steps, step, choose)}") from error
     quiet.remove()
     tree = restored["state"]
     state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
                           opt_state=tree["opt_state"], step=tree["step"], ema=tree.get("ema"))
     return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
+
+
+def older_choice(steps: list, step: int, choose=resume_from) -> str:
+    """What to do about a damaged checkpoint `step`: choose(the newest of the older
+    `steps`), naming them, or that there is none."""
+    older = [s for s in steps if s < step]
+    return (f"the older checkpoints on disk are steps {', '.join(map(str, older))}: "
+            f"{choose(older[-1])}" if older else "no older checkpoint is on disk")
 
 
 def damage(error: BaseException) -> BaseException | None:
@@ -312,10 +317,14 @@ def restore_input(manager, step: int, iterator) -> None:
     try:
         manager.restore(step, args=ocp.args.Composite(
             input=grain.checkpoint.CheckpointRestore(iterator)))
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {manager.directory}/{step}: its data iterator state "
-                              f"cannot be restored ({type(error).__name__}: {error}); delete "
-                              "the checkpoint to resume from the one before") from error
+    except Exception as error:  # re-raised below unless it is damage (damage())
+        cause = damage(error)
+        if cause is None:
+            raise
+        raise CheckpointError(
+            f"checkpoint {manager.directory}/{step}: its data iterator state cannot be "
+            f"restored ({type(cause).__name__}: {first_line(cause)}); nothing was deleted; "
+            f"{older_choice(sorted(manager.all_steps()), step)}") from error
 
 
 def best_step(manager) -> int:
@@ -334,9 +343,12 @@ def read_meta(manager, step: int | None = None) -> dict:
         raise CheckpointError(f"no checkpoint in {manager.directory}")
     try:
         return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read: "
-                              f"{error}") from error
+    except Exception as error:  # re-raised below unless it is damage (damage())
+        cause = damage(error)
+        if cause is None:
+            raise
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read "
+                              f"({type(cause).__name__}: {first_line(cause)})") from error
 
 
 def params_sha256(state) -> str:
