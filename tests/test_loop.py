@@ -427,3 +427,25 @@ def test_history_reads_the_rows_back_as_python_objects(tmp_path):
     assert history.series("test_accuracy") == ([], [])  # a replicated run: name the replica
     with pytest.raises(FileNotFoundError, match="not the workdir of a run"):
         jaxtrain.history(str(tmp_path / "elsewhere"))
+
+
+def test_a_resumed_run_that_dies_while_keeping_its_rows_leaves_them_as_they_were(
+        tmp_path, monkeypatch):
+    """A resumed run writes the rows it keeps anew; one killed while doing so (here: a
+    failure at the third row) leaves metrics.jsonl as it was, every row there."""
+    rows = [{"step": step, "train_loss": 1.0 / step, "train_accuracy": 0.5}
+            for step in (10, 20, 30, 40)]
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    (tmp_path / report.METRICS_FILE).write_text(text)
+    written = []
+
+    def dies_at_the_third(obj, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(obj)
+        return json.dumps(obj, **kwargs)
+    monkeypatch.setattr(report, "json", types.SimpleNamespace(
+        dumps=dies_at_the_third, loads=json.loads, JSONDecodeError=json.JSONDecodeError))
+    with pytest.raises(KeyboardInterrupt):
+        report.Reporter(str(tmp_path), total_steps=100, start_step=40)
+    assert (tmp_path / report.METRICS_FILE).read_text() == text

@@ -146,10 +146,12 @@ class Reporter:
         if not write:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._metrics = open(path, "w")
-        for record in self.records:
-            self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        # The kept rows written aside and moved into place: a kill while they are written
+        # leaves the file as it was, not emptied.
+        with open(f"{path}.tmp", "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in self.records)
+        os.replace(f"{path}.tmp", path)
+        self._metrics = open(path, "a")
         self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
         # tqdm hides itself when stderr is not a terminal (disable=None).
         self._progress = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
