@@ -204,6 +204,9 @@ def test_a_workdir_that_cannot_hold_checkpoints_is_a_clear_error(cifar_batches_d
     (tmp_path / "checkpoints").write_text("not a directory")
     with pytest.raises(jaxtrain.CheckpointError, match="not a directory"):
         loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+    with pytest.raises(jaxtrain.CheckpointError, match=f"^cannot write in the workdir "
+                       f"{tmp_path}/checkpoints: a file is there, not a folder$"):
+        loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path / "checkpoints"))
 
 
 @pytest.mark.slow
@@ -312,7 +315,13 @@ def long_reference(cifar_batches_dir, tmp_path_factory, worker_id):
 def test_sigkill_then_rerun_is_bit_identical(long_reference, cifar_batches_dir, tmp_path):
     process = start_main(tmp_path, cifar_batches_dir)
     wait_for_step(tmp_path, 650, process)  # the test's arbitrary point: past two checkpoints
-    process.kill()
+    second = start_main(tmp_path, cifar_batches_dir)  # the same workdir, while it trains
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 2, err
+    assert re.fullmatch(rf"error: {tmp_path} is in use by another run \(process {process.pid} "
+                        r"on [^,]+, since [0-9: -]+\): wait for it to end, or use another "
+                        r"--workdir\n", err), err
+    process.kill()  # the rerun below holds the workdir: the killed run left it free
     process.wait()
     assert not (tmp_path / "summary.json").exists()
     rerun = start_main(tmp_path, cifar_batches_dir)

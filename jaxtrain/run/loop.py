@@ -126,6 +126,8 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     except BaseException as error:
         users.failed(error)  # a tracker ends its run as killed or failed
         raise
+    finally:
+        run.release_workdir()
     return summary
 
 

@@ -8,16 +8,21 @@ WORKDIR/checkpoints/<step>/ with two items:
          written by Grain's own Orbax CheckpointHandler
 Nothing in it is pickled.
 """
+import errno
+import fcntl
 import hashlib
 import logging
 import os
+import socket
 import sys
+import time
 import traceback
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxtrain.errors import ConfigError
 from jaxtrain.training import optim, train_state
 
 CHECKPOINT_DIR = "checkpoints"
@@ -309,6 +314,37 @@ def set_aside_newer(workdir: str, step: int) -> list[int]:
                                   f"{target} exists (move or delete it)")
         os.rename(os.path.join(directory, str(moved)), target)
     return newer
+
+
+LOCK_FILE = "run.lock"  # WORKDIR/run.lock: which process trains there now
+
+
+def hold_workdir(workdir: str):
+    """Marks `workdir` as this process's run until the returned file is closed: a second
+    run started in it meanwhile stops with one line (ConfigError) instead of writing
+    over its checkpoints and rows. An OS lock (fcntl.lockf), so a run that was killed
+    holds nothing; the file says which process holds it, for that line."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        lock = open(os.path.join(workdir, LOCK_FILE), "a+")
+    except OSError as error:
+        why = "a file is there, not a folder" if os.path.isfile(workdir) else error
+        raise CheckpointError(f"cannot write in the workdir {workdir}: {why}") from None
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            return lock  # a filesystem without locks (ENOLCK): the run goes on unguarded
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise ConfigError(f"{workdir} is in use by another run ({holder}): wait for it to "
+                          "end, or use another --workdir") from None
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}, since "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
 
 
 def restore_input(manager, step: int, iterator) -> None:
