@@ -87,38 +87,48 @@ def test_resume_from_an_older_checkpoint_ends_where_the_uninterrupted_run_did(
     assert train_losses(tmp_path) == train_losses(ref_dir)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
-        reference, cifar_batches_dir, tmp_path, damage):
-    """A listed checkpoint that cannot be read is damage to report, not to skip: the run
-    stops naming it, the error and the older steps, and deletes nothing; resuming from an
-    older one is the user's choice (checkpoint.resume_step), which moves the newer ones
-    aside and ends where the uninterrupted run did."""
-    _, ref = reference
-    loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=30), str(tmp_path))
-    newest = tmp_path / "checkpoints" / "30" / "state"
-    files = [p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 0]
+def damage_and_stop(cifar_batches_dir, workdir, step: int, how: str, **overrides) -> None:
+    """Checkpoint `step`'s state files cut in half ('truncate') or deleted; the next start
+    (small_config with `overrides`) stops naming it, the error and the older steps, with
+    nothing on disk changed."""
+    files = [p for p in (workdir / "checkpoints" / str(step) / "state").rglob("*")
+             if p.is_file() and p.stat().st_size > 0]
     assert files
     for path in files:
-        if damage == "truncate":
+        if how == "truncate":
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         else:
             path.unlink()
-    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+    older = [s for s in steps_saved(workdir) if s < step]
     with pytest.raises(jaxtrain.CheckpointError) as stopped:
-        loop.train_and_evaluate(small_config(cifar_batches_dir), str(tmp_path))
+        loop.train_and_evaluate(small_config(cifar_batches_dir, **overrides), str(workdir))
     assert re.fullmatch(
-        rf"checkpoint {tmp_path}/checkpoints/30 cannot be read \(\w+: .+\); nothing was "
-        r"deleted; the older checkpoints on disk are steps 10, 20: "
-        r"--config.checkpoint.resume_step=20 resumes from the newest of them \(the newer "
-        r"ones are moved aside, not deleted\)", str(stopped.value)), str(stopped.value)
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+        rf"checkpoint {workdir}/checkpoints/{step} cannot be read \(\w+: .+\); nothing was "
+        rf"deleted; the older checkpoints on disk are steps {', '.join(map(str, older))}: "
+        rf"--config.checkpoint.resume_step={older[-1]} resumes from the newest of them \(the "
+        r"newer ones are moved aside, not deleted\)", str(stopped.value)), str(stopped.value)
+    assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
+        reference, cifar_batches_dir, tmp_path):
+    """A listed checkpoint that cannot be read is damage to report, not to skip: the run
+    stops naming it, the error and the older steps, and deletes nothing; resuming from an
+    older one is the user's choice (checkpoint.resume_step), which moves the newer ones
+    aside and ends where the uninterrupted run did. Its files cut in half, then (the
+    run's last checkpoint) deleted."""
+    _, ref = reference
+    loop.train_and_evaluate(small_config(cifar_batches_dir, train__num_steps=30), str(tmp_path))
+    damage_and_stop(cifar_batches_dir, tmp_path, 30, "truncate")
     resumed = loop.train_and_evaluate(small_config(cifar_batches_dir,
                                                    checkpoint__resume_step=20), str(tmp_path))
     assert resumed["resumed_from_step"] == 20
     assert resumed["params_sha256"] == ref["params_sha256"]
     assert (tmp_path / checkpoint.SET_ASIDE_DIR / "30" / "state").is_dir()
+    damage_and_stop(cifar_batches_dir, tmp_path, 40, "delete",  # the finished run made longer
+                    train__num_steps=50)
 
 
 @pytest.mark.slow
