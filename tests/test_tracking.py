@@ -8,12 +8,14 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import quick_compile
 import fork_server
+from conftest import require_module
 from test_callbacks import mlp_config
 
 import jaxtrain
@@ -164,6 +166,48 @@ def test_a_missing_tracker_package_is_one_line():
     with pytest.raises(Exception, match=r"config\.logging\.nosuch needs the "
                        r"no_such_tracker_package package: pip install 'jaxtrain\[nosuch\]'"):
         tracker.import_optional("no_such_tracker_package", "nosuch")
+
+
+def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_loads():
+    """logging.mlflow at a port no one listens on: a ConfigError when the tracker is made
+    (callbacks.from_config, before the data), not MLflow's minutes of retries after the
+    compile. A server that answers, even with an error status, is taken."""
+    import http.server
+
+    from conftest import free_port
+    from jaxtrain.callbacks.trackers import mlflow as mlflow_tracker
+    require_module("mlflow", "pip install -e .[mlflow]")
+    closed = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(jaxtrain.ConfigError, match=rf"^config.logging.mlflow='{closed}': no "
+                       r"MLflow tracking server answers there \(.*refused\); start it, or "
+                       r"correct the URI$"):
+        mlflow_tracker.MLflowTracker(closed)
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:  # it answers GET /health with 501: a server, whatever it makes of the request
+        mlflow_tracker.MLflowTracker(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_tracker_whose_start_failed_has_no_run_to_end(tmp_path):
+    """A start that failed (a server gone between the check and the first request) leaves
+    nothing for on_exception to end: the run's own error is the one said."""
+    class FailsToStart(tracker.Tracker):
+        name = "fails"
+
+        def start(self, run, run_id):
+            raise ConnectionError("the server went away")
+
+        def stop(self, signum):
+            raise AssertionError("stop called for a run never started")
+
+    callback = FailsToStart()
+    with pytest.raises(ConnectionError):
+        callback.on_run_start(types.SimpleNamespace(process_index=0, workdir=str(tmp_path)))
+    callback.on_exception(RuntimeError("the run failed"))
 
 
 class SignalAt(jaxtrain.Callback):

@@ -12,7 +12,8 @@ import sys
 import tempfile
 
 from jaxtrain.callbacks.trackers import tracker
-from jaxtrain.runtime import report
+from jaxtrain.errors import ConfigError
+from jaxtrain.runtime import processes, report
 from jaxtrain.training import checkpoint
 
 
@@ -25,6 +26,8 @@ class MLflowTracker(tracker.Tracker):
         for name in ("mlflow", "alembic"):  # a new store's set-up logs at INFO, mid-table
             logging.getLogger(name).setLevel(logging.WARNING)
         self.uri, self.experiment, self.registered_model = uri, experiment, registered_model
+        if uri.startswith(("http://", "https://")) and processes.is_main_process():
+            check_server(uri)
 
     def start(self, run, run_id):
         mlflow = self.mlflow
@@ -140,3 +143,19 @@ class MLflowTracker(tracker.Tracker):
         version = self.client.create_model_version(name, source, self.run_id)
         print(f"logging.mlflow: registered the model as {name!r} version {version.version} "
               f"(models:/{name}/{version.version})", flush=True)
+
+
+def check_server(uri: str, timeout: float = 10.0) -> None:
+    """A tracking server that does not answer at all (refused, no such host, silent) is a
+    ConfigError before the run loads anything: MLflow's client would retry it for minutes
+    after the compile, then fail the run. Any HTTP answer, even an error, is a server."""
+    import urllib.error
+    import urllib.request
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise ConfigError(f"config.logging.mlflow={uri!r}: no MLflow tracking server answers "
+                          f"there ({reason}); start it, or correct the URI") from None

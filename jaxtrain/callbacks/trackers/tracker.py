@@ -59,10 +59,11 @@ class Tracker(Callback):
     name = ""
 
     def on_run_start(self, run):
-        self.active = run.process_index == 0
+        self.active = False  # until its run is started: a failed start has none to end
         self.path = os.path.join(run.workdir, TRACKING_FILE)
-        if self.active:
+        if run.process_index == 0:
             self.start(run, self.saved_ids().get(self.name))
+            self.active = True
 
     def saved_ids(self) -> dict:
         try:
