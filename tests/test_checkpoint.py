@@ -109,6 +109,11 @@ def damage_and_stop(cifar_batches_dir, workdir, step: int, how: str, **overrides
         rf"--config.checkpoint.resume_step={older[-1]} resumes from the newest of them \(the "
         r"newer ones are moved aside, not deleted\)", str(stopped.value)), str(stopped.value)
     assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before
+    # The failed start let go of the workdir, though its traceback (`stopped`) lives on:
+    # another process may take it.
+    subprocess.run([sys.executable, "-c", "import fcntl, sys; fcntl.lockf(open(sys.argv[1], "
+                    "'a+'), fcntl.LOCK_EX | fcntl.LOCK_NB)", str(workdir / checkpoint.LOCK_FILE)],
+                   check=True, timeout=60)
 
 
 @pytest.mark.slow

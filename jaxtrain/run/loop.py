@@ -59,8 +59,12 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
     if complete is not None:  # nothing left to train: say so instead of starting anew
         return complete
     given = callbacks_lib.from_config(config, callbacks)
-    run, state, window, times, paced = start_lib.start(config, workdir, model, clock,
-                                                       profile_steps, warm_up, peers)
+    try:
+        run, state, window, times, paced = start_lib.start(config, workdir, model, clock,
+                                                           profile_steps, warm_up, peers)
+    except BaseException:
+        checkpoint.let_go(workdir)  # start held it from its first write there
+        raise
     del config  # read once: from here on, the run's values (session.Run)
     users = callbacks_lib.UserCallbacks(run, window, given)
     profiler = profiling.Profiler(workdir, run.traced, run.reporter)
@@ -127,7 +131,7 @@ def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: 
         users.failed(error)  # a tracker ends its run as killed or failed
         raise
     finally:
-        run.release_workdir()
+        checkpoint.let_go(workdir)  # after the summary: another run may start there
     return summary
 
 

@@ -16,7 +16,6 @@ from jaxtrain.training import chunks, prepare
 class Run:
     config: Any  # the checked config (absolute paths): for summary.json and RunInfo only
     workdir: str
-    lock: Any  # checkpoint.hold_workdir's (process 0; None in others)
     setup: prepare.Setup  # the data, model and initial state the config gave
     manager: Any  # the run's Orbax CheckpointManager
     data_key: Any  # the data order's and augmentation's PRNG key (resume needs it)
@@ -58,11 +57,6 @@ class Run:
             self.stream.close()
         self.reporter.close()
         self.manager.close()
-
-    def release_workdir(self) -> None:
-        """After the summary: a run may start in the workdir now."""
-        if self.lock is not None:
-            self.lock.close()
 
 
 @dataclasses.dataclass

@@ -32,8 +32,8 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     mesh = placement.create_mesh(config.parallel.fsdp)
     placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
-    run, lock, manager, state, data_key, meta = restore_or_init(config, workdir, model, clock,
-                                                                mesh, peers)
+    run, manager, state, data_key, meta = restore_or_init(config, workdir, model, clock, mesh,
+                                                          peers)
     resumed, meta = meta is not None, meta or {}
     start_step = train_state.current_step(state)
     if main_process:
@@ -83,8 +83,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
                              compile_seconds)
     clock.lap("write")
     started = session_lib.Run(
-        config=config, workdir=workdir, lock=lock, setup=run, manager=manager,
-        data_key=data_key,
+        config=config, workdir=workdir, setup=run, manager=manager, data_key=data_key,
         start_step=start_step, resumed=resumed, plan=plan, traced=traced,
         stream=stream, run_chunk=run_chunk, pace=pace, eval_fn=eval_fn,
         eval_arrays=eval_arrays, clock=clock, reporter=reporter, cache_dir=cache_dir,
@@ -116,10 +115,10 @@ def run_config(config, workdir: str, model=None):
 
 def restore_or_init(config, workdir: str, model, clock, mesh, peers):
     """The data and model built (prepare.setup), workdir held for this run (process 0:
-    checkpoint.hold_workdir, before anything is written there), and the newest checkpoint
-    in it restored, else the initial state. Returns (the Setup, the held lock (None in
-    other processes), the checkpoint manager, the state, the data key, the checkpoint's
-    meta (None when starting anew))."""
+    checkpoint.hold_workdir, before anything is written there; loop.py lets go), and the
+    newest checkpoint in it restored, else the initial state. Returns (the Setup, the
+    checkpoint manager, the state, the data key, the checkpoint's meta (None when starting
+    anew))."""
     main_process = processes.is_main_process()
     # Resuming: the initial state's shapes only (no init compiled or run for nothing);
     # the checkpoint fills them.
@@ -128,7 +127,8 @@ def restore_or_init(config, workdir: str, model, clock, mesh, peers):
     note = precision_note(config.train.precision, config.model.name)
     if note and main_process:
         print(note, flush=True)
-    lock = checkpoint.hold_workdir(workdir) if main_process else None
+    if main_process:
+        checkpoint.hold_workdir(workdir)
     if config.checkpoint.resume_step and resuming:
         if main_process:
             moved = checkpoint.set_aside_newer(workdir, config.checkpoint.resume_step)
@@ -151,14 +151,14 @@ def restore_or_init(config, workdir: str, model, clock, mesh, peers):
         if resuming:  # step folders that Orbax does not list: none whole
             run = prepare.setup(config, mesh, model=model)
         clock.lap("restore")
-        return run, lock, manager, run.state, run.data_key, None
+        return run, manager, run.state, run.data_key, None
     state, data_key, meta = restored
     if meta.get("init_from"):  # what the first start loaded (a resumed run reads no weights)
         run = dataclasses.replace(run, init_from=meta["init_from"])
     step = train_state.current_step(state)
     clock.lap("restore", f"resumed from checkpoint step {step} ({manager.directory}/{step}) "
               "in {seconds:.1f} s")
-    return run, lock, manager, state, data_key, meta
+    return run, manager, state, data_key, meta
 
 
 def open_reporter(config, workdir: str, run: prepare.Setup, state, start_step: int, window,

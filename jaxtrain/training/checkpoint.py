@@ -317,13 +317,14 @@ def set_aside_newer(workdir: str, step: int) -> list[int]:
 
 
 LOCK_FILE = "run.lock"  # WORKDIR/run.lock: which process trains there now
+HELD = {}  # the real path of a workdir -> the lock file this process holds there
 
 
-def hold_workdir(workdir: str):
-    """Marks `workdir` as this process's run until the returned file is closed: a second
-    run started in it meanwhile stops with one line (ConfigError) instead of writing
-    over its checkpoints and rows. An OS lock (fcntl.lockf), so a run that was killed
-    holds nothing; the file says which process holds it, for that line."""
+def hold_workdir(workdir: str) -> None:
+    """Marks `workdir` as this process's run until let_go(workdir): a second run started
+    in it meanwhile stops with one line (ConfigError) instead of writing over its
+    checkpoints and rows. An OS lock (fcntl.lockf), so a run that was killed holds
+    nothing; the file says which process holds it, for that line."""
     try:
         os.makedirs(workdir, exist_ok=True)
         lock = open(os.path.join(workdir, LOCK_FILE), "a+")
@@ -333,18 +334,26 @@ def hold_workdir(workdir: str):
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
-        if error.errno not in (errno.EAGAIN, errno.EACCES):
-            return lock  # a filesystem without locks (ENOLCK): the run goes on unguarded
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise ConfigError(f"{workdir} is in use by another run ({holder}): wait for it "
+                              "to end, or use another --workdir") from None
+        # else a filesystem without locks (ENOLCK): the run goes on unguarded
+    else:
+        lock.truncate(0)
+        lock.write(f"process {os.getpid()} on {socket.gethostname()}, since "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+    HELD[os.path.realpath(workdir)] = lock
+
+
+def let_go(workdir: str) -> None:
+    """hold_workdir's lock released; nothing when this process holds none there."""
+    lock = HELD.pop(os.path.realpath(workdir), None)
+    if lock is not None:
         lock.close()
-        raise ConfigError(f"{workdir} is in use by another run ({holder}): wait for it to "
-                          "end, or use another --workdir") from None
-    lock.truncate(0)
-    lock.write(f"process {os.getpid()} on {socket.gethostname()}, since "
-               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    return lock
 
 
 def restore_input(manager, step: int, iterator) -> None:
