@@ -116,6 +116,21 @@ def damage_and_stop(cifar_batches_dir, workdir, step: int, how: str, **overrides
                    check=True, timeout=60)
 
 
+def test_a_workdir_is_held_by_one_run_at_a_time_in_a_process_too(tmp_path):
+    """Two runs of one process (threads, say) in one workdir: the second is refused, as
+    one of another process is (the OS lock does not tell a process's own runs apart);
+    once the first lets go the workdir is free."""
+    checkpoint.hold_workdir(str(tmp_path))
+    try:
+        with pytest.raises(jaxtrain.ConfigError, match=f"^{tmp_path} is in use by another "
+                           "run of this process"):
+            checkpoint.hold_workdir(str(tmp_path))
+    finally:
+        checkpoint.let_go(str(tmp_path))
+    checkpoint.hold_workdir(str(tmp_path))
+    checkpoint.let_go(str(tmp_path))
+
+
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_stops_the_run_until_an_older_one_is_chosen(
         reference, cifar_batches_dir, tmp_path):

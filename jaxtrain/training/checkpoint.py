@@ -325,6 +325,9 @@ def hold_workdir(workdir: str) -> None:
     in it meanwhile stops with one line (ConfigError) instead of writing over its
     checkpoints and rows. An OS lock (fcntl.lockf), so a run that was killed holds
     nothing; the file says which process holds it, for that line."""
+    if os.path.realpath(workdir) in HELD:  # the OS lock does not stop this process's own
+        raise ConfigError(f"{workdir} is in use by another run of this process: wait for it "
+                          "to end, or use another workdir")
     try:
         os.makedirs(workdir, exist_ok=True)
         lock = open(os.path.join(workdir, LOCK_FILE), "a+")
