@@ -117,18 +117,36 @@ def damage_and_stop(cifar_batches_dir, workdir, step: int, how: str, **overrides
 
 
 def test_a_workdir_is_held_by_one_run_at_a_time_in_a_process_too(tmp_path):
-    """Two runs of one process (threads, say) in one workdir: the second is refused, as
-    one of another process is (the OS lock does not tell a process's own runs apart);
-    once the first lets go the workdir is free."""
-    checkpoint.hold_workdir(str(tmp_path))
-    try:
-        with pytest.raises(jaxtrain.ConfigError, match=f"^{tmp_path} is in use by another "
-                           "run of this process"):
+    """Two runs of one process in one workdir (the second in a thread): the second is
+    refused, as one of another process is (the OS lock does not tell a process's own runs
+    apart), and letting go as a refused run does frees nothing; once the first lets go,
+    another process may take the workdir."""
+    import threading
+
+    def taken_elsewhere() -> bool:
+        return subprocess.run(
+            [sys.executable, "-c", "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'a+'), "
+             "fcntl.LOCK_EX | fcntl.LOCK_NB)", str(tmp_path / checkpoint.LOCK_FILE)],
+            capture_output=True, timeout=60).returncode == 0
+
+    def second_run(refusals):
+        try:
             checkpoint.hold_workdir(str(tmp_path))
-    finally:
-        checkpoint.let_go(str(tmp_path))
+        except jaxtrain.ConfigError as error:
+            refusals.append(str(error))
+        finally:
+            checkpoint.let_go(str(tmp_path))  # what run_checked does when start fails
+
     checkpoint.hold_workdir(str(tmp_path))
+    refusals = []
+    thread = threading.Thread(target=second_run, args=(refusals,))
+    thread.start()
+    thread.join()
+    assert refusals == [f"{tmp_path} is in use by another run of this process: wait for it "
+                        "to end, or use another workdir"]
+    assert not taken_elsewhere()
     checkpoint.let_go(str(tmp_path))
+    assert taken_elsewhere()
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -317,7 +318,7 @@ def set_aside_newer(workdir: str, step: int) -> list[int]:
 
 
 LOCK_FILE = "run.lock"  # WORKDIR/run.lock: which process trains there now
-HELD = {}  # the real path of a workdir -> the lock file this process holds there
+HELD = {}  # the real path of a workdir -> (the lock file, the thread whose run holds it)
 
 
 def hold_workdir(workdir: str) -> None:
@@ -349,14 +350,15 @@ def hold_workdir(workdir: str) -> None:
         lock.write(f"process {os.getpid()} on {socket.gethostname()}, since "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         lock.flush()
-    HELD[os.path.realpath(workdir)] = lock
+    HELD[os.path.realpath(workdir)] = (lock, threading.get_ident())
 
 
 def let_go(workdir: str) -> None:
-    """hold_workdir's lock released; nothing when this process holds none there."""
-    lock = HELD.pop(os.path.realpath(workdir), None)
-    if lock is not None:
-        lock.close()
+    """hold_workdir's lock released, if this thread's run holds it (a run refused there
+    lets go of nothing)."""
+    key = os.path.realpath(workdir)
+    if HELD.get(key, (None, None))[1] == threading.get_ident():
+        HELD.pop(key)[0].close()
 
 
 def restore_input(manager, step: int, iterator) -> None:
