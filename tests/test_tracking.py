@@ -168,10 +168,11 @@ def test_a_missing_tracker_package_is_one_line():
         tracker.import_optional("no_such_tracker_package", "nosuch")
 
 
-def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_loads():
+def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_loads(tmp_path):
     """logging.mlflow at a port no one listens on: a ConfigError when the tracker is made
     (callbacks.from_config, before the data), not MLflow's minutes of retries after the
-    compile. A server that answers, even with an error status, is taken."""
+    compile. A server that answers, even with an error status or a certificate the check
+    cannot verify, is taken."""
     import http.server
 
     from conftest import free_port
@@ -182,14 +183,46 @@ def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_load
                        r"MLflow tracking server answers there \(.*refused\); start it, or "
                        r"correct the URI$"):
         mlflow_tracker.MLflowTracker(closed)
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:  # it answers GET /health with 501: a server, whatever it makes of the request
-        mlflow_tracker.MLflowTracker(f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    for tls in (False, True):  # a self-signed certificate: MLflow's TLS settings decide
+        server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+        if tls:
+            server.socket = self_signed_context(tmp_path).wrap_socket(server.socket,
+                                                                      server_side=True)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:  # it answers GET /health with 501: a server, whatever it makes of the request
+            mlflow_tracker.MLflowTracker(
+                f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}")
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def self_signed_context(folder):
+    """A TLS server context with a certificate for 127.0.0.1 signed by itself."""
+    import datetime
+    import ipaddress
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName(
+                       [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                   .sign(key, hashes.SHA256()))
+    (folder / "cert.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    return context
 
 
 def test_a_tracker_whose_start_failed_has_no_run_to_end(tmp_path):

@@ -148,7 +148,9 @@ class MLflowTracker(tracker.Tracker):
 def check_server(uri: str, timeout: float = 10.0) -> None:
     """A tracking server that does not answer at all (refused, no such host, silent) is a
     ConfigError before the run loads anything: MLflow's client would retry it for minutes
-    after the compile, then fail the run. Any HTTP answer, even an error, is a server."""
+    after the compile, then fail the run. Any HTTP answer, even an error, is a server, and
+    so is a TLS handshake this check cannot verify (MLflow's own TLS settings decide)."""
+    import ssl
     import urllib.error
     import urllib.request
     try:
@@ -157,5 +159,7 @@ def check_server(uri: str, timeout: float = 10.0) -> None:
         return
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
+        if isinstance(reason, ssl.SSLError):
+            return
         raise ConfigError(f"config.logging.mlflow={uri!r}: no MLflow tracking server answers "
                           f"there ({reason}); start it, or correct the URI") from None
