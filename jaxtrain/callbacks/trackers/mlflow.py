@@ -145,16 +145,20 @@ class MLflowTracker(tracker.Tracker):
               f"(models:/{name}/{version.version})", flush=True)
 
 
-def check_server(uri: str, timeout: float = 10.0) -> None:
+def check_server(uri: str) -> None:
     """A tracking server that does not answer at all (refused, no such host, silent) is a
     ConfigError before the run loads anything: MLflow's client would retry it for minutes
     after the compile, then fail the run. Any HTTP answer, even an error, is a server, and
-    so is a TLS handshake this check cannot verify (MLflow's own TLS settings decide)."""
+    so is a TLS handshake this check cannot verify (MLflow's own TLS settings decide).
+    A silent one is waited for as long as MLflow waits for a request."""
     import ssl
     import urllib.error
     import urllib.request
+
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_TIMEOUT
     try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health",
+                               timeout=MLFLOW_HTTP_REQUEST_TIMEOUT.get()).close()
     except urllib.error.HTTPError:
         return
     except (urllib.error.URLError, OSError) as error:
