@@ -32,13 +32,16 @@ EMA_COLUMNS = (("test_loss_ema", "loss_ema", 9, 15, ".4f"),
 RUN_KEYS = ("step", "replica", "seed")
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Writes `text` beside `path` and moves it into place: a reader never sees a
+    half-written file, and a kill meanwhile leaves the file as it was."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
 def write_json_atomically(path: str, obj) -> None:
-    """Writes JSON so that a reader never sees a half-written file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -146,11 +149,7 @@ class Reporter:
         if not write:
             return
         os.makedirs(workdir, exist_ok=True)
-        # The kept rows written aside and moved into place: a kill while they are written
-        # leaves the file as it was, not emptied.
-        with open(f"{path}.tmp", "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in self.records)
-        os.replace(f"{path}.tmp", path)
+        write_atomically(path, "".join(json.dumps(record) + "\n" for record in self.records))
         self._metrics = open(path, "a")
         self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
         # tqdm hides itself when stderr is not a terminal (disable=None).

@@ -326,7 +326,8 @@ def hold_workdir(workdir: str) -> None:
     in it meanwhile stops with one line (ConfigError) instead of writing over its
     checkpoints and rows. An OS lock (fcntl.lockf), so a run that was killed holds
     nothing; the file says which process holds it, for that line."""
-    if os.path.realpath(workdir) in HELD:  # the OS lock does not stop this process's own
+    key = os.path.realpath(workdir)
+    if key in HELD:  # the OS lock does not stop this process's own
         raise ConfigError(f"{workdir} is in use by another run of this process: wait for it "
                           "to end, or use another workdir")
     try:
@@ -350,7 +351,7 @@ def hold_workdir(workdir: str) -> None:
         lock.write(f"process {os.getpid()} on {socket.gethostname()}, since "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         lock.flush()
-    HELD[os.path.realpath(workdir)] = (lock, threading.get_ident())
+    HELD[key] = (lock, threading.get_ident())
 
 
 def let_go(workdir: str) -> None:
