@@ -427,10 +427,11 @@ def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
     fixed stem inside its clock, as the published speedruns count it.
 
     The same filters: the top filters/2 eigenvectors of the normalised 2x2 patches'
-    uncentred second moment (first max_images images), each with its largest entry
-    positive, scaled by 1/sqrt(eigenvalue + eps), then their negations. In float64
-    where jaxtrain works in float32, so the two agree to jaxtrain's rounding (its
-    smallest eigenvectors move by ~1e-3 with one rounding of the moment)."""
+    uncentred second moment (first max_images images), each with its first entry
+    positive (a sign no rounding decides), scaled by 1/sqrt(eigenvalue + eps), then
+    their negations. In float64 where jaxtrain works in float32, so the two agree to
+    jaxtrain's rounding (its smallest eigenvectors move by ~1e-3 with one rounding of
+    the moment)."""
     channels = images.shape[-1]
     if filters % 2 or not 0 < filters <= 8 * channels:
         raise ValueError(f"whitening_kernel: filters={filters} must be even and at most "
@@ -448,8 +449,7 @@ def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
     eigenvalues, eigenvectors = torch.linalg.eigh(patches.T @ patches)  # ascending
     eigenvalues = eigenvalues.flip(0) / patches.shape[0]
     eigenvectors = eigenvectors.flip(1)
-    largest = eigenvectors.gather(0, eigenvectors.abs().argmax(0, keepdim=True))
-    eigenvectors = eigenvectors * torch.where(largest < 0, -1.0, 1.0)
+    eigenvectors = eigenvectors * torch.where(eigenvectors[0] < 0, -1.0, 1.0)
     half = eigenvectors[:, :filters // 2] / torch.sqrt(eigenvalues[:filters // 2] + eps)
     kernel = torch.cat([half, -half], dim=1).reshape(2, 2, channels, filters)
     return kernel.permute(3, 2, 0, 1).float().contiguous()  # HWIO -> OIHW

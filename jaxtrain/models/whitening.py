@@ -14,9 +14,9 @@ def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
     """A 2x2 stem kernel that whitens the images' 2x2 patches, float32 (2, 2, C, filters).
 
     The filters are the top filters/2 eigenvectors of the patches' second
-    moment (of the first `max_images` normalised uint8 images), each scaled by
-    1/sqrt(eigenvalue + eps), and their negations (so a following GELU keeps
-    both signs). The first layer then starts decorrelated and needs no
+    moment (of the first `max_images` normalised uint8 images), each with its
+    first entry positive and scaled by 1/sqrt(eigenvalue + eps), and their
+    negations (so a following GELU keeps both signs). The first layer then starts decorrelated and needs no
     training, as in the public CIFAR-10 speedruns.
 
     The moment is uncentred (patches^T patches / count), as in the speedruns;
@@ -53,10 +53,14 @@ def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
     eigenvalues, eigenvectors = jnp.linalg.eigh(moment)  # ascending
     eigenvalues = eigenvalues[::-1] / patches.shape[0]
     eigenvectors = eigenvectors[:, ::-1]
-    # eigh's signs are arbitrary: make each vector's largest entry positive.
-    largest = jnp.take_along_axis(
-        eigenvectors, jnp.argmax(jnp.abs(eigenvectors), axis=0)[None], axis=0)
-    eigenvectors = eigenvectors * jnp.where(largest < 0, -1.0, 1.0)
+    # eigh's signs are arbitrary, and filters i and i + filters/2 swap with them: make
+    # each vector's first entry (the patch's top-left pixel, first channel) positive.
+    # Natural images' patch eigenvectors are a 2x2 pattern of +-1 (a gradient, a
+    # corner) times a colour, and the top-left pixel weighs +-1/2 in every pattern, so
+    # that entry stays far from zero (tests/test_compare.py checks it on CIFAR-10).
+    # "Largest entry positive" was decided by rounding: the patterns' symmetry makes
+    # two entries equal in magnitude to 0.1%.
+    eigenvectors = eigenvectors * jnp.where(eigenvectors[0] < 0, -1.0, 1.0)
     top = filters // 2
     half = eigenvectors[:, :top] / jnp.sqrt(eigenvalues[:top] + eps)
     kernel = jnp.concatenate([half, -half], axis=1)
