@@ -713,8 +713,22 @@ def run_jax(config, workdir: str) -> dict:
             "curve": curve}
 
 
+def start_of(framework: str, config, initial, result: dict) -> str:
+    """How a framework's network started, against jaxtrain's, for the table: the same
+    weights (model.init_from's, copied), or its own draw of the same initialisation;
+    with a whitened stem, whether the stem is jaxtrain's (torch_fast computes its own
+    and says when it differs: the twin then trains a different network)."""
+    if framework == "jax":
+        return "-"
+    start = "same weights" if initial is not None else "own draw"
+    if whitening.has_whitened_stem(config.model):
+        check = (result.get("measures") or {}).get("whitening") or {}
+        start += ", stem DIFFERS" if check.get("matches_jaxtrain") is False else ", same stem"
+    return start
+
+
 TABLE = (("framework", "framework", 14, "s"), ("device", "device", 14, "s"),
-         ("precision", "precision", 9, "s"),
+         ("precision", "precision", 9, "s"), ("start", "start", 23, "s"),
          ("warmup_seconds", "warm-up s", 9, ".2f"), ("train_seconds", "train s", 9, ".2f"),
          ("images_per_second", "images/s", 9, ".0f"), ("test_accuracy", "test acc", 8, ".2%"),
          ("test_loss", "test loss", 9, ".4f"), ("param_count", "params", 10, ",d"))
@@ -807,6 +821,7 @@ def run(config, frameworks=FRAMEWORKS, workdir: str = "runs/compare", *,
         if result["param_count"] != param_count:
             raise CompareError(f"{framework} trained {result['param_count']:,} parameters, "
                                f"jaxtrain's {config.model.name} has {param_count:,}")
+        result["start"] = start_of(framework, config, initial, result)
         output["results"].append({"framework": framework, **result})
         report.write_json_atomically(os.path.join(workdir, JSON_FILE), output)
 
