@@ -38,8 +38,23 @@ def test_a_group_must_be_a_param_group():
 
 
 def test_the_recipes_pass_the_checks():
-    checks.check_config(default.get_config())
-    checks.check_config(cifar_speedrun.get_config())
+    """Every recipe jaxtrain carries passes the checks a run starts with, and the checks
+    read that recipe: the same recipe with one key out of range or one unknown key
+    stops with the line naming it."""
+    from jaxtrain import config as config_lib
+    names = config_lib.names()
+    assert len(names) >= 10
+    for name in names:
+        config = config_lib.load(name)
+        assert checks.check_config(config) is None, name
+        config.train.batch_size = 0
+        with pytest.raises(ConfigError, match=r"^config\.train\.batch_size=0: must be "):
+            checks.check_config(config)
+        config = config_lib.load(name)
+        with config.unlocked():
+            config.train.batch_szie = 64
+        with pytest.raises(ConfigError, match="batch_szie"):
+            checks.check_config(config)
 
 
 def test_a_recipe_loads_by_name_or_path_and_a_wrong_one_is_one_line(tmp_path):

@@ -101,10 +101,13 @@ def test_summary_json_has_what_users_compare(short_run):
 
 
 @pytest.mark.slow
-def test_metrics_jsonl_has_one_record_per_chunk(short_run):
-    workdir, _, summary = short_run
+def test_metrics_jsonl_has_one_record_per_logging_interval(short_run):
+    """A row every train.log_every_steps (whatever the chunks' lengths), the last at the
+    run's last step."""
+    workdir, config, summary = short_run
     records = report.read_metrics(str(workdir))
-    assert [r["step"] for r in records] == list(range(5, 81, 5))
+    every = config.train.log_every_steps
+    assert [r["step"] for r in records] == list(range(every, summary["steps"] + 1, every))
     for r in records:
         assert {"step", "epoch", "train_loss", "train_accuracy", "learning_rate",
                 "seconds"} <= set(r)
