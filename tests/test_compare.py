@@ -11,6 +11,8 @@ import optax
 import pytest
 import fork_server
 import torch  # in requirements.txt: these tests must run, not skip
+from tolerances import (BFLOAT16_STEPS, ELEMENTWISE, NETWORK_PASS, TRAINING_STEPS,
+                        WHITENING)
 
 from configs import cifar, cifar_seed_cnn, cifar_speedrun, default
 from jaxtrain import data, models
@@ -197,7 +199,7 @@ def test_twins_with_copied_weights_compute_the_same_function(config):
     x = np.random.default_rng(0).normal(size=(4, *shape)).astype(np.float32)
     expected = np.asarray(jax.jit(functools.partial(model.apply, train=False))(variables, x))
     got = twin.eval()(torch.from_numpy(x).permute(0, 3, 1, 2)).detach().numpy()
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=TRAINING_STEPS, atol=TRAINING_STEPS * 0.1)
 
 
 def test_twin_initialisation_has_the_flax_scale():
@@ -245,7 +247,7 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     inputs = torch_models.normalize(torch.from_numpy(images).permute(0, 3, 1, 2), mean, std)
     loss = runner.torch_step(twin, optimizer, criterion, inputs,
                              torch.from_numpy(labels).long(), 0)
-    assert loss.item() == pytest.approx(float(metrics["loss"]), rel=1e-5)
+    assert loss.item() == pytest.approx(float(metrics["loss"]), rel=NETWORK_PASS)
 
     expected = torch_models.create_model(config.model, 10, shape)
     torch_models.load_flax_variables(expected, {"params": new_state.params,
@@ -256,8 +258,8 @@ def test_one_sgd_step_is_the_same_in_both_frameworks(cifar_batches_dir, model):
     for name, value in expected.state_dict().items():
         if name.endswith(("running_var", "num_batches_tracked")):
             continue  # torch keeps the unbiased batch variance: n / (n - 1) times Flax's
-        np.testing.assert_allclose(stepped[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(stepped[name].numpy(), value.numpy(), rtol=TRAINING_STEPS,
+                                   atol=TRAINING_STEPS * 0.1, err_msg=name)
 
 
 @pytest.mark.parametrize("name,nesterov,schedule", [
@@ -285,8 +287,8 @@ def test_torch_optimizers_follow_optax(name, nesterov, schedule):
         torch_optim.set_step(optimizer, step)
         layer.weight.grad = torch.from_numpy(g.copy())[None]
         optimizer.step()
-    np.testing.assert_allclose(layer.weight.detach().numpy()[0], np.asarray(params), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(layer.weight.detach().numpy()[0], np.asarray(params),
+                               rtol=NETWORK_PASS, atol=NETWORK_PASS * 0.1)
 
 
 @pytest.mark.slow
@@ -326,9 +328,10 @@ def test_torch_muon_follows_optax_muon(nesterov):
         optimizer.step()
     for name, layer in layers.items():
         expected = to_torch[name](np.asarray(params[name]["kernel"]))
-        assert np.linalg.norm(expected) == pytest.approx(np.sqrt(expected.shape[0]), rel=1e-5)
-        np.testing.assert_allclose(layer.weight.detach().numpy(), expected, rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+        assert np.linalg.norm(expected) == pytest.approx(np.sqrt(expected.shape[0]),
+                                                         rel=NETWORK_PASS)
+        np.testing.assert_allclose(layer.weight.detach().numpy(), expected, rtol=TRAINING_STEPS,
+                                   atol=TRAINING_STEPS * 0.1, err_msg=name)
 
 
 def record_config(data_dir, **overrides):
@@ -393,11 +396,12 @@ def test_record_recipe_optimizers_take_the_same_steps(cifar_batches_dir):
         expected = flat(state.params)
         for param, path in paths.items():
             np.testing.assert_allclose(param.detach().numpy(), to_torch_layout(expected[path]),
-                                       rtol=1e-4, atol=1e-5, err_msg=f"step {i}: {path}")
+                                       rtol=TRAINING_STEPS, atol=TRAINING_STEPS * 0.1,
+                                       err_msg=f"step {i}: {path}")
     assert not torch.equal(stem_bias[0], stem_bias[1])
     assert torch.equal(stem_bias[1], stem_bias[3])  # train_steps=1: frozen after step 1
     filters = twin[3][4].weight.detach()  # renormalised to norm sqrt(C_out)
-    assert torch.linalg.norm(filters).item() == pytest.approx(4.0, rel=1e-5)
+    assert torch.linalg.norm(filters).item() == pytest.approx(4.0, rel=NETWORK_PASS)
 
 
 def test_record_recipe_twin_initialisation():
@@ -453,9 +457,10 @@ def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
                                 **kwargs)
     assert runner.tta_images(config, dataset) == 150
     assert got["accuracy"] == pytest.approx(float(expected["accuracy"]), abs=1 / 500)
-    assert got["loss"] == pytest.approx(float(expected["loss"]), rel=1e-4)
+    assert got["loss"] == pytest.approx(float(expected["loss"]), rel=TRAINING_STEPS)
     everything = runner.torch_evaluate(twin, batches, **kwargs)
-    assert everything["loss"] != pytest.approx(got["loss"], rel=1e-4)  # the fraction matters
+    # the fraction matters
+    assert everything["loss"] != pytest.approx(got["loss"], rel=TRAINING_STEPS)
 
 
 @pytest.mark.parametrize("mode", ["none", "flip", "flip_translate"])
@@ -501,7 +506,7 @@ def test_augmentations_move_pixels_like_jaxtrains(cifar_subset):
                                        std=(0.5,))
     expected = np.asarray(step_lib.normalize(jnp.asarray(cifar_subset["x_train"][0]), (0.5,),
                                              (0.5,)))
-    np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), expected, atol=ELEMENTWISE)
 
 
 @pytest.mark.slow
@@ -597,8 +602,8 @@ def test_tta_views_in_one_batch_give_the_separate_views_logits(cifar_subset):
             separate = runner.tta_logits(twin, images, mode, **kwargs)
             together = runner.tta_logits(twin, images, mode, one_batch=True, **kwargs)
             assert separate.shape == together.shape == (32, 10)
-            np.testing.assert_allclose(together.numpy(), separate.numpy(), rtol=1e-5,
-                                       atol=1e-6)
+            np.testing.assert_allclose(together.numpy(), separate.numpy(), rtol=NETWORK_PASS,
+                                       atol=NETWORK_PASS * 0.1)
         plain = runner.tta_logits(twin, images, "none", **kwargs)
         assert not torch.allclose(plain, together, atol=1e-3)  # the views matter
 
@@ -621,7 +626,7 @@ def test_torch_computes_jaxtrains_whitened_stem(cifar_subset):
     # the first entry of each unit eigenvector (OIHW filter o: its [c=0, 0, 0] over its norm)
     first = got[:12, 0, 0, 0] / np.linalg.norm(got[:12].reshape(12, -1), axis=1)
     assert np.all(first > 0.1), first
-    np.testing.assert_allclose(got[:6], expected[:6], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(got[:6], expected[:6], rtol=WHITENING, atol=WHITENING * 0.1)
     np.testing.assert_array_equal(got[12:], -got[:12])
     with pytest.raises(ValueError, match="must be uint8"):
         torch_models.whitening_kernel(torch.zeros(2, 4, 4, 3), mean, std, 8)
@@ -642,13 +647,13 @@ def test_batched_newton_schulz_is_the_per_matrix_one():
         expected = torch_optim.newton_schulz(matrix.T, group["ns_coeffs"], 3).T
         assert got.shape == d.shape
         np.testing.assert_allclose(got.reshape(matrix.shape).numpy(), expected.numpy(),
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=NETWORK_PASS, atol=NETWORK_PASS * 0.1)
     stack = torch.stack([d.reshape(6, -1) for d in directions[:2]])
     assert not torch.equal(batched[0], batched[1])
     low = torch_optim.newton_schulz_batched(stack, group["ns_coeffs"], 3, dtype=torch.bfloat16)
     high = torch_optim.newton_schulz_batched(stack, group["ns_coeffs"], 3)
     assert low.dtype == torch.float32
-    assert float((low - high).abs().max()) < 0.05 * float(high.abs().max())
+    assert float((low - high).abs().max()) < BFLOAT16_STEPS * float(high.abs().max())
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     assert sorted(torch_optim.Muon(params).stack_shapes()) == [(1, 5, 12), (2, 6, 40),
                                                                (3, 6, 36)]
@@ -689,7 +694,8 @@ def test_master_weights_step_float32_weights_for_a_bfloat16_copy():
         plain.step()  # torch's plain SGD on the same float32 gradients
         for name, mine in model.named_parameters():  # the shared BatchNorm's too
             np.testing.assert_allclose(mine.detach().numpy(), theirs[name].detach().numpy(),
-                                       rtol=1e-6, atol=1e-7, err_msg=f"step {step}: {name}")
+                                       rtol=ELEMENTWISE, atol=ELEMENTWISE * 0.1,
+                                       err_msg=f"step {step}: {name}")
         assert all(torch.equal(copy, master.to(torch.bfloat16)) for master, copy in pairs)
     moved = [name for name, p in model.named_parameters() if not torch.equal(p, start[name])]
     assert len(moved) == len(pairs) + 6  # and the six BatchNorm biases
@@ -746,7 +752,7 @@ def test_the_torch_twin_gets_the_same_fixed_whitened_stem(cifar_batches_dir):
                                               run.total_steps, run.stem_kernel)
     stem = model[0]
     np.testing.assert_allclose(stem.weight.detach().numpy(),
-                               run.stem_kernel.transpose(3, 2, 0, 1), rtol=1e-6)
+                               run.stem_kernel.transpose(3, 2, 0, 1), rtol=ELEMENTWISE)
     assert not stem.weight.requires_grad
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(stem.weight) not in trained and id(stem.bias) in trained
@@ -863,7 +869,7 @@ def test_resnet_twins_with_copied_weights_compute_the_same_function(stem, size):
     with torch.no_grad():
         got = twin.eval()(torch.from_numpy(x).permute(0, 3, 1, 2)).numpy()
     assert np.abs(expected).max() > 1  # not a near-constant function
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, expected, rtol=TRAINING_STEPS, atol=TRAINING_STEPS)
 
 
 @pytest.mark.slow
@@ -933,7 +939,7 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
     loss = runner.torch_step(twin, optimizer, criterion,
                              torch.from_numpy(inputs).permute(0, 3, 1, 2),
                              torch.from_numpy(labels).long(), 0)
-    assert loss.item() == pytest.approx(float(flax_loss), rel=1e-6)
+    assert loss.item() == pytest.approx(float(flax_loss), rel=ELEMENTWISE)
 
     for path in ("Conv_0/kernel", "ResNetBlock_7/Conv_1/kernel", "ResNetBlock_0/BatchNorm_1/scale",
                  "ResNetBlock_2/Conv_2/kernel", "Dense_0/bias"):
@@ -942,10 +948,11 @@ def test_one_sgd_step_is_the_same_for_the_resnet18_twins(cifar_batches_dir):
     for param, path in torch_models.flax_param_paths(twin).items():
         value = new[path]
         value = value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T
-        np.testing.assert_allclose(param.detach().numpy(), value, rtol=1e-6, atol=1e-8,
-                                   err_msg=f"{names[param]} ({path})")
+        # float64, yet they part by float32's rounding: up to 5.6e-9 (the head's kernel)
+        np.testing.assert_allclose(param.detach().numpy(), value, rtol=ELEMENTWISE,
+                                   atol=ELEMENTWISE * 0.01, err_msg=f"{names[param]} ({path})")
     stats = flax_leaves(new_state.batch_stats)
     for layer, path in torch_models.flax_named_layers(twin):
         if isinstance(layer, torch.nn.BatchNorm2d):  # running_var: torch's is unbiased
             np.testing.assert_allclose(layer.running_mean.numpy(), stats[path + "/mean"],
-                                       rtol=1e-6, atol=1e-8, err_msg=path)
+                                       rtol=ELEMENTWISE, atol=ELEMENTWISE * 0.01, err_msg=path)

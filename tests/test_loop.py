@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import quick_compile
+from tolerances import FLOAT64_DATASET
 import fork_server
 
 import jaxtrain
@@ -97,8 +98,8 @@ def test_channel_statistics_equal_numpy_over_the_whole_split():
     dataset = type("D", (), {"x_train": images, "image_shape": (8, 8, 3)})()
     config = type("C", (), {"data": type("Data", (), {"mean": (), "std": ()})()})()
     mean, std = inputs.channel_stats(dataset, config.data)
-    np.testing.assert_allclose(mean, (images / 255.0).mean(axis=(0, 1, 2)), rtol=1e-9)
-    np.testing.assert_allclose(std, (images / 255.0).std(axis=(0, 1, 2)), rtol=1e-9)
+    np.testing.assert_allclose(mean, (images / 255.0).mean(axis=(0, 1, 2)), rtol=FLOAT64_DATASET)
+    np.testing.assert_allclose(std, (images / 255.0).std(axis=(0, 1, 2)), rtol=FLOAT64_DATASET)
 
 
 # ---------------------------------------------------------------- train.drop_finished_groups

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tolerances import ELEMENTWISE
 import fork_server
 
 import jaxtrain
@@ -102,7 +103,7 @@ def test_predict_files_matches_predict_on_the_loaders_arrays(folder_run, photos,
     assert result.paths == tuple(good)  # walked recursively in name order; notes.txt skipped
     assert result.errors == ()
     expected_labels, expected = classifier.predict(np.stack([loader_arrays[p] for p in good]))
-    np.testing.assert_allclose(result.probabilities, expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(result.probabilities, expected, rtol=0, atol=ELEMENTWISE)
     np.testing.assert_array_equal(result.labels, expected_labels)
     assert result.class_names == classifier.class_names and len(result.class_names) == 10
     name, probability = result.top(0, 1)[0]

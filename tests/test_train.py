@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import once_per_session
+from tolerances import BFLOAT16_PASS, ELEMENTWISE, NETWORK_PASS, TRAINING_STEPS
 from overrides import with_overrides
 
 import jaxtrain
@@ -78,7 +79,7 @@ def test_a_bfloat16_run_takes_the_float32_runs_steps_and_keeps_float32_weights(
     assert summary["steps"] == 5 and np.isfinite(summary["test_loss"])
     bfloat16, float32 = ([row["train_loss"] for row in report.read_metrics(str(tmp_path / p))
                           if row["step"] == 5] for p in ("bfloat16", "float32"))
-    assert bfloat16 == pytest.approx(float32, rel=0.02) and bfloat16 != float32
+    assert bfloat16 == pytest.approx(float32, rel=BFLOAT16_PASS) and bfloat16 != float32
     params = jaxtrain.restore(str(tmp_path / "bfloat16")).state.params
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("float32")}
 
@@ -157,9 +158,9 @@ def test_scan_and_python_loops_compute_the_same_steps(cifar_batches_dir, tmp_pat
         results[kind] = report.read_metrics(str(tmp_path / kind))
     for scan, python in zip(results["scan"], results["python"]):
         assert scan["step"] == python["step"]
-        assert scan["train_loss"] == pytest.approx(python["train_loss"], rel=1e-4)
+        assert scan["train_loss"] == pytest.approx(python["train_loss"], rel=TRAINING_STEPS)
     assert results["scan"][-1]["test_loss"] == pytest.approx(results["python"][-1]["test_loss"],
-                                                             rel=1e-4)
+                                                             rel=TRAINING_STEPS)
 
 
 @pytest.mark.slow
@@ -197,7 +198,8 @@ def test_padded_eval_batches_give_the_same_metrics(cifar_batches_dir):
                                            pad_mode="reflect"))
     for other in results[1:]:
         assert float(other["accuracy"]) == pytest.approx(float(results[0]["accuracy"]))
-        assert float(other["loss"]) == pytest.approx(float(results[0]["loss"]), rel=1e-5)
+        assert float(other["loss"]) == pytest.approx(float(results[0]["loss"]),
+                                                     rel=NETWORK_PASS)
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -363,7 +365,8 @@ def test_real_steps_split_into_chunks_equal_one_chunk_per_epoch():
             results[kind, chunks] = jax.device_get((state.params, state.batch_stats))
     reference = results["scan", (4,)]
     for name, result in results.items():
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=NETWORK_PASS,
+                                                             atol=NETWORK_PASS * 0.1),
                      result, reference)
 
 
@@ -452,9 +455,11 @@ def test_replicas_trained_together_equal_their_single_runs(name):
         for k, (single, single_summary) in enumerate(alone):
             replica = jax.tree.map(lambda leaf: np.asarray(leaf)[k],
                                    (state.params, state.batch_stats))
-            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=NETWORK_PASS,
+                                                                 atol=NETWORK_PASS),
                          replica, (single.params, single.batch_stats))
-            np.testing.assert_allclose(losses[k], single_summary["per_step"]["loss"], rtol=1e-5)
+            np.testing.assert_allclose(losses[k], single_summary["per_step"]["loss"],
+                                       rtol=NETWORK_PASS)
         assert not np.allclose(losses[0], losses[1])  # runs of their own
 
 
@@ -539,7 +544,7 @@ def test_stacked_tta_is_the_per_view_loop(tta_setup, tta):
     stacked = evaluation.predict_logits(state, images, mean=MEAN, std=STD, tta=tta,
                                         pad_mode="reflect")
     np.testing.assert_allclose(np.asarray(stacked), np.asarray(per_view_logits(state, images, tta)),
-                               atol=1e-5, rtol=1e-5)
+                               atol=NETWORK_PASS, rtol=NETWORK_PASS)
 
 
 @pytest.mark.slow
@@ -554,7 +559,8 @@ def test_tta_fraction_one_is_the_old_full_evaluation_and_zero_is_none(tta_setup)
     old_accuracy = sum(float(jnp.sum((jnp.argmax(l, -1) == labels) * v))
                        for l, labels, v in zip(old, y, valid)) / count
     loss, accuracy = evaluate(state, (x, y, valid), "flip")
-    assert loss == pytest.approx(old_loss, rel=1e-5) and accuracy == pytest.approx(old_accuracy)
+    assert loss == pytest.approx(old_loss, rel=NETWORK_PASS)
+    assert accuracy == pytest.approx(old_accuracy)
     assert evaluate(state, (x, y, valid), "flip", 0) == evaluate(state, (x, y, valid), "none")
     assert evaluate(state, (x, y, valid), "none", 50) == evaluate(state, (x, y, valid), "none")
 
@@ -575,7 +581,7 @@ def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup,
     assert len(np.unique(confidence[valid])) == valid.sum()  # no ties
     expected = np.zeros(len(valid), bool)
     expected[np.flatnonzero(valid)[np.argsort(confidence[valid])[:count]]] = True
-    tta_rows = np.all(np.isclose(mixed, full, rtol=1e-5, atol=1e-5), axis=-1)
+    tta_rows = np.all(np.isclose(mixed, full, rtol=NETWORK_PASS, atol=NETWORK_PASS), axis=-1)
     plain_rows = np.all(mixed == plain, axis=-1)
     np.testing.assert_array_equal(tta_rows, expected)
     np.testing.assert_array_equal(plain_rows, ~expected)
@@ -583,7 +589,7 @@ def test_partial_tta_goes_to_exactly_the_least_confident_valid_images(tta_setup,
     loss, accuracy = evaluate(state, arrays, "flip", count)
     labels = arrays[1].reshape(-1)
     want = optax.softmax_cross_entropy_with_integer_labels(mixed, labels)[valid].mean()
-    assert loss == pytest.approx(float(want), rel=1e-5)
+    assert loss == pytest.approx(float(want), rel=NETWORK_PASS)
     assert accuracy == pytest.approx(float(np.mean(mixed.argmax(-1)[valid] == labels[valid])))
 
 
@@ -601,15 +607,17 @@ def test_the_batch_by_batch_evaluation_is_evaluate(tta_setup, tta, tta_images):
     metrics = by_batch(state, *arrays, progress=done.append)
     assert sum(done) == by_batch.batches == 3 + (1 if tta_images else 0)  # 50 images: 1 batch
     for name in ("loss", "accuracy"):
-        assert float(metrics[name]) == pytest.approx(float(whole[name]), rel=1e-6, abs=0)
+        assert float(metrics[name]) == pytest.approx(float(whole[name]), rel=ELEMENTWISE, abs=0)
     pair = jax.tree.map(lambda x: jnp.stack([x, x]), state)
     pair = pair.replace(params=jax.tree.map(lambda x: x.at[1].multiply(0.5), pair.params))
     replicated = evaluation.compile_evaluation(pair, *arrays, **kwargs, replicas=True)
     both = replicated(pair, *arrays)
     other = evaluation.evaluate(jax.tree.map(lambda x: x[1], pair), *arrays, **kwargs)
     for name in ("loss", "accuracy"):
-        assert float(both[name][0]) == pytest.approx(float(whole[name]), rel=1e-6, abs=0)
-        assert float(both[name][1]) == pytest.approx(float(other[name]), rel=1e-6, abs=0)
+        assert float(both[name][0]) == pytest.approx(float(whole[name]), rel=ELEMENTWISE,
+                                                     abs=0)
+        assert float(both[name][1]) == pytest.approx(float(other[name]), rel=ELEMENTWISE,
+                                                     abs=0)
     asked = []
     with pytest.raises(evaluation.EvaluationStopped):
         by_batch(state, *arrays, should_stop=lambda: asked.append(1) or len(asked) == 2)
@@ -663,7 +671,8 @@ def test_the_ema_is_a_numpy_ema_of_the_parameter_history(cifar_batches_dir, tmp_
                                 expected, {"params": saved["params"],
                                            "batch_stats": saved["batch_stats"]})
     final = checkpoint_tree(str(tmp_path), 10)["ema"]
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6),
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=ELEMENTWISE,
+                                                              rtol=ELEMENTWISE),
                  final, expected)
     # Evaluated beside the raw weights, and restored on request.
     assert summary["test_accuracy_ema"] != summary["test_accuracy"]
