@@ -22,13 +22,13 @@ model.pool_impl 'xla') and in its PyTorch twin (NCHW and channels_last). Timings
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxtrain.perf import machine  # noqa: E402
 
 RECIPES = {
     "fashion_mnist_mlp": ("configs/fashion_mnist_mlp.py", {}, ("jax", "torch_fast")),
@@ -211,9 +211,8 @@ def main():
     result = {"what": "training seconds (evaluation excluded) and one forward+backward pass, "
                       "jaxtrain against PyTorch on the CPU",
               "command": "python3 benchmarks/cpu_speed.py " + " ".join(sys.argv[1:]),
-              "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor()
-                          or platform.machine(), "jax": jax.__version__,
-                          "torch": torch.__version__},
+              "machine": {"cpu_count": os.cpu_count(), **machine.describe_cpu(),
+                          "jax": jax.__version__, "torch": torch.__version__},
               "rounds": args.rounds,
               "recipes": recipes(args) if args.recipes else {},
               "steps": {} if args.no_steps else steps()}
