@@ -13,17 +13,20 @@ the run it came from.
   program loads it with `jax.export.deserialize(bytes).call(images)`, no Flax or
   jaxtrain needed. Lowered for the CPU and CUDA GPUs unless --platforms says.
 - onnx: through jax2onnx (the `export` extra), for onnxruntime and the other
-  ONNX runtimes. An operation jax2onnx cannot convert is one line naming it."""
+  ONNX runtimes, at opset 23 or an older one (--opset). An operation jax2onnx cannot
+  convert is one line naming it, and so is a graph ONNX's checker refuses."""
 import contextlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import PIL
 
 from jaxtrain.data import folder
@@ -36,6 +39,24 @@ ONNX_OPSET = 23  # the default --opset: the newest jax2onnx 0.12.5 writes
 MIN_ONNX_OPSET = 13  # the oldest it writes these models in (at 11 its Squeeze has no axes input)
 MIN_TTA_OPSET = 15  # with TTA inside: its Shape nodes carry `start`, an attribute of opset 15
 JAX2ONNX_VERSIONS = "jax2onnx 0.12.5"  # what the `export` extra pins (0.13-0.17 pin an older orbax)
+# jax2onnx 0.12.5 writes two kinds of node in a later opset's form whatever the opset:
+# these reductions with their axes as an input (ReduceSum's became one at 13, theirs at 18),
+# and Gelu, an operator from opset 20 on. in_opset rewrites them into the older form.
+AXES_INPUT_OPSET = 18
+AXES_INPUT_REDUCTIONS = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax",
+                         "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSumSquare")
+GELU_OPSET = 20
+# Gelu as ONNX defines it (Gelu-20's function body), one operation a step on the input x
+# and the step before's result t: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) or
+# 0.5 x (1 + erf(x / sqrt(2))), by its attribute approximate
+GELU_STEPS = {
+    "tanh": (("Mul", "x", "x"), ("Mul", "t", "x"), ("Mul", "t", 0.044715), ("Add", "x", "t"),
+             ("Mul", "t", math.sqrt(2 / math.pi)), ("Tanh", "t"), ("Add", "t", 1.0),
+             ("Mul", "t", 0.5), ("Mul", "x", "t")),
+    "none": (("Div", "x", math.sqrt(2)), ("Erf", "t"), ("Add", "t", 1.0), ("Mul", "t", 0.5),
+             ("Mul", "x", "t")),
+}
+ONNX_DOMAINS = ("", "ai.onnx")  # the standard operators' domain, by either name
 
 
 class ExportError(ConfigError):
@@ -92,29 +113,68 @@ def to_onnx(classifier, batch: int | None = None, tta: str | None = None,
     """The ONNX model (at `opset`, MIN_ONNX_OPSET to ONNX_OPSET: older runtimes and
     converters read the older ones) of probabilities_function, through jax2onnx.
 
-    Inputs 'images' (uint8 NHWC), output 'probabilities'. jax2onnx 0.12.5 leaves
-    stale NHWC shapes in the graph's value_info for some tensors it turned NCHW (a
-    ResNet's residual adds); onnxruntime's shape inference then refuses the model,
-    so the intermediate value_info is dropped: runtimes infer those shapes anyway.
+    Inputs 'images' (uint8 NHWC), output 'probabilities'. While jax2onnx 0.12.5 traces
+    it, a max-pool's explicit padding is a pad of its own (explicit_pool_padding); the
+    nodes it writes in a later opset's form are rewritten in `opset`'s (in_opset). It
+    also leaves stale NHWC shapes in the graph's value_info for some tensors it turned
+    NCHW (a ResNet's residual adds); onnxruntime's shape inference then refuses the
+    model, so the intermediate value_info is dropped: runtimes infer those shapes
+    anyway. ONNX's checker has the last word (check_onnx).
     """
     try:
         import jax2onnx
-        import onnx
+        import onnx  # noqa: F401 (in_opset's and check_onnx's)
     except ImportError as error:
         raise ExportError(f"--format=onnx needs jax2onnx and onnx ({error.name} is missing): "
                           "pip install 'jaxtrain[export]'") from None
     check_opset(opset, classifier.tta if tta is None else tta)
     spec = input_spec(classifier, batch, "batch")
+    probabilities = probabilities_function(classifier, tta)
+
+    def traced(images):
+        with explicit_pool_padding():
+            return probabilities(images)
+
     with quiet_exporter():
         try:
-            model = jax2onnx.to_onnx(probabilities_function(classifier, tta), [spec],
-                                     model_name="jaxtrain", opset=opset,
+            model = jax2onnx.to_onnx(traced, [spec], model_name="jaxtrain", opset=opset,
                                      input_names=["images"], output_names=["probabilities"])
         except Exception as error:
             raise ExportError(onnx_failure(error)) from error
+    in_opset(model.graph, opset)
     del model.graph.value_info[:]
-    onnx.checker.check_model(model)
+    check_onnx(model, opset)
     return model.SerializeToString()
+
+
+@contextlib.contextmanager
+def explicit_pool_padding():
+    """While jax2onnx 0.12.5 traces, flax.linen.max_pool is its own, which reads an
+    explicit padding (the ImageNet-stem ResNets' ((1, 1), (1, 1))) as none: its file
+    computes something else. Inside this, such a pool pads with -inf first and then
+    pools unpadded, which is what flax's max_pool computes."""
+    from flax import linen
+    from flax.linen import pooling
+    tracing = [(module, module.max_pool) for module in (linen, pooling)]
+    for module, max_pool in tracing:
+        module.max_pool = padded_first(max_pool)
+    try:
+        yield
+    finally:
+        for module, max_pool in tracing:
+            module.max_pool = max_pool
+
+
+def padded_first(max_pool):
+    """`max_pool`, given (low, high) pairs as its padding, pads with -inf first."""
+    def pool(inputs, window_shape, strides=None, padding="VALID"):
+        if not isinstance(padding, str):
+            spatial = [tuple(pair) for pair in padding]
+            batch = [(0, 0)] * (inputs.ndim - len(spatial) - 1)
+            inputs = jnp.pad(inputs, [*batch, *spatial, (0, 0)], constant_values=-jnp.inf)
+            padding = "VALID"
+        return max_pool(inputs, window_shape=window_shape, strides=strides, padding=padding)
+    return pool
 
 
 def check_opset(opset: int, tta: str = "none") -> None:
@@ -125,6 +185,124 @@ def check_opset(opset: int, tta: str = "none") -> None:
         raise ExportError(f"--opset={opset}: the test-time augmentation inside the export "
                           f"(tta={tta!r}) needs opset {MIN_TTA_OPSET} or later: --tta=none, "
                           f"or --opset={MIN_TTA_OPSET}")
+
+
+def in_opset(graph, opset: int) -> None:
+    """Rewrites in place the nodes jax2onnx wrote in a later opset's form than `opset`,
+    the one the model declares, as the same computation in `opset`'s operators (in every
+    graph: a Loop's body too): below 18 a reduction's constant axes input becomes its
+    `axes` attribute, below 20 Gelu becomes the arithmetic ONNX defines it by."""
+    types = value_types(graph)
+    for inner in list(subgraphs(graph)):
+        if opset < AXES_INPUT_OPSET:
+            axes_as_attributes(inner)
+        if opset < GELU_OPSET:
+            gelu_as_arithmetic(inner, types)
+
+
+def subgraphs(graph):
+    """Every graph inside `graph`'s nodes' attributes, at any depth, then `graph`: each
+    after those inside it, so that rewriting one (which copies its nodes) comes after
+    its subgraphs' rewrites."""
+    import onnx
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from subgraphs(attribute.g)
+            for inner in attribute.graphs:
+                yield from subgraphs(inner)
+    yield graph
+
+
+def axes_as_attributes(graph) -> None:
+    """AXES_INPUT_REDUCTIONS' axes, an input holding a constant of this graph, as the
+    `axes` attribute of opsets 13 to 17; the constants no node reads any more go
+    (onnxruntime warns of each one it finds). Axes computed at run time, which JAX's
+    reductions never give, stay: the checker refuses those."""
+    import onnx
+    constants = {tensor.name: tensor for tensor in graph.initializer}
+    taken = set()
+    for node in graph.node:
+        if (node.domain in ONNX_DOMAINS and node.op_type in AXES_INPUT_REDUCTIONS
+                and len(node.input) == 2 and node.input[1] in constants):
+            axes = onnx.numpy_helper.to_array(constants[node.input[1]])
+            node.attribute.append(onnx.helper.make_attribute("axes", axes.tolist()))
+            taken.add(node.input[1])
+            del node.input[1]
+    read = {name for inner in subgraphs(graph) for node in inner.node for name in node.input}
+    for name in taken - read:
+        graph.initializer.remove(constants[name])
+
+
+def value_types(graph) -> dict:
+    """name -> ONNX element type of every tensor jax2onnx typed, subgraphs' too."""
+    return {value.name: value.type.tensor_type.elem_type for inner in subgraphs(graph)
+            for value in (*inner.input, *inner.value_info, *inner.output)}
+
+
+def gelu_as_arithmetic(graph, types: dict) -> None:
+    """Every Gelu node of `graph` as GELU_STEPS' nodes, in its place."""
+    nodes = []
+    for node in graph.node:
+        if node.domain in ONNX_DOMAINS and node.op_type == "Gelu":
+            steps, constants = gelu_steps(node, types)
+            nodes.extend(steps)
+            graph.initializer.extend(constants)
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def gelu_steps(node, types: dict):
+    """(nodes, constants) computing Gelu `node`'s output: its constants in its input's
+    type (float32, what an ONNX export computes in, where jax2onnx left it untyped)."""
+    import onnx
+    x, y = node.input[0], node.output[0]
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(types.get(x) or onnx.TensorProto.FLOAT)
+    approximate = next((a.s.decode() for a in node.attribute if a.name == "approximate"),
+                       "none")
+    steps = GELU_STEPS[approximate]
+    nodes, constants, t = [], [], None
+    for i, (op, *operands) in enumerate(steps):
+        inputs = []
+        for operand in operands:
+            if isinstance(operand, float):
+                constants.append(onnx.numpy_helper.from_array(np.array(operand, dtype),
+                                                              f"{y}/gelu_{i}_constant"))
+                operand = constants[-1].name
+            inputs.append({"x": x, "t": t}.get(operand, operand))
+        t = y if i == len(steps) - 1 else f"{y}/gelu_{i}"
+        nodes.append(onnx.helper.make_node(op, inputs, [t], name=f"{y}/gelu_{i}"))
+    return nodes, constants
+
+
+def check_onnx(model, opset: int) -> None:
+    """ONNX's checker: a model it refuses is one line, naming the opset to ask for where
+    operators this opset lacks are why."""
+    import onnx
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as error:
+        first = newer_operators(model.graph, opset)
+        if first and None not in first.values():
+            lowest = max(first.values())
+            raise ExportError(f"--opset={opset}: this model's ONNX graph needs opset {lowest} "
+                              f"or later (for {', '.join(sorted(first))}): "
+                              f"--opset={lowest}") from None
+        raise ExportError(f"--opset={opset}: ONNX's checker refuses the graph "
+                          f"{JAX2ONNX_VERSIONS} wrote for this model: "
+                          f"{str(error).strip().splitlines()[0]}") from None
+
+
+def newer_operators(graph, opset: int) -> dict:
+    """{operator in `graph` that `opset` lacks: the first opset to ONNX_OPSET with it
+    (None: none)}."""
+    import onnx
+    return {node.op_type: next((newer for newer in range(opset + 1, ONNX_OPSET + 1)
+                                if onnx.defs.has(node.op_type, newer)), None)
+            for inner in subgraphs(graph) for node in inner.node
+            if node.domain in ONNX_DOMAINS and not onnx.defs.has(node.op_type, opset)}
 
 
 def onnx_failure(error: Exception) -> str:
