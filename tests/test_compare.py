@@ -437,8 +437,11 @@ def test_alternating_flips_mirror_each_image_once_in_two_epochs(cifar_batches_di
 
 @pytest.mark.slow
 def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
-    """eval.tta_fraction: plain logits, then TTA on the 30% least confident images."""
-    config = record_config(cifar_batches_dir, eval__tta_fraction=0.3)
+    """eval.tta_fraction: plain logits, then TTA on the 30% least confident images. The
+    head unscaled (head_scale 1, not 1/9): the untrained net's logits are then far enough
+    from uniform that TTA on a fraction and on every image differ well past the rounding
+    (with 1/9 by 6e-5 of the loss, under TRAINING_STEPS)."""
+    config = record_config(cifar_batches_dir, eval__tta_fraction=0.3, model__head_scale=1.0)
     run = prepare.setup(config)
     dataset, state = run.dataset, run.state
     stats = jax.tree.map(lambda v: v + 0.3, state.batch_stats)
@@ -459,8 +462,8 @@ def test_tta_on_the_least_confident_fraction_is_jaxtrains(cifar_batches_dir):
     assert got["accuracy"] == pytest.approx(float(expected["accuracy"]), abs=1 / 500)
     assert got["loss"] == pytest.approx(float(expected["loss"]), rel=TRAINING_STEPS)
     everything = runner.torch_evaluate(twin, batches, **kwargs)
-    # the fraction matters
-    assert everything["loss"] != pytest.approx(got["loss"], rel=TRAINING_STEPS)
+    # the fraction matters: by ten times the rounding allowed above, at least
+    assert everything["loss"] != pytest.approx(got["loss"], rel=10 * TRAINING_STEPS)
 
 
 @pytest.mark.parametrize("mode", ["none", "flip", "flip_translate"])
