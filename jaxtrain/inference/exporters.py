@@ -192,7 +192,7 @@ def in_opset(graph, opset: int) -> None:
     the one the model declares, as the same computation in `opset`'s operators (in every
     graph: a Loop's body too): below 18 a reduction's constant axes input becomes its
     `axes` attribute, below 20 Gelu becomes the arithmetic ONNX defines it by."""
-    types = value_types(graph)
+    types = value_types(graph) if opset < GELU_OPSET else None
     for inner in list(subgraphs(graph)):
         if opset < AXES_INPUT_OPSET:
             axes_as_attributes(inner)

@@ -16,8 +16,9 @@ def whitening_kernel(images, mean, std, filters: int, eps: float = 5e-4,
     The filters are the top filters/2 eigenvectors of the patches' second
     moment (of the first `max_images` normalised uint8 images), each with its
     first entry positive and scaled by 1/sqrt(eigenvalue + eps), and their
-    negations (so a following GELU keeps both signs). The first layer then starts decorrelated and needs no
-    training, as in the public CIFAR-10 speedruns.
+    negations (so a following GELU keeps both signs). The first layer then
+    starts decorrelated and needs no training, as in the public CIFAR-10
+    speedruns.
 
     The moment is uncentred (patches^T patches / count), as in the speedruns;
     this used to be the centred covariance. Normalised patches have means near

@@ -26,4 +26,5 @@ def describe_cpu(cpuinfo: str = "/proc/cpuinfo") -> dict:
     model = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         model += f" (family {fields['cpu family']}, model {fields['model']})"
-    return {"model": model, "vector_extensions": [name for name in VECTOR_EXTENSIONS if name in flags]}
+    return {"model": model,
+            "vector_extensions": [name for name in VECTOR_EXTENSIONS if name in flags]}
