@@ -194,6 +194,29 @@ def test_worker_processes_give_identical_arrays(cifar_folder, cifar_from_folder,
     assert_same({k: getattr(via_server, k) for k in ('x_train', 'y_train', 'x_test', 'y_test')})
 
 
+SERVED_LOAD_THEN_LEAK = """
+import sys
+from multiprocessing import shared_memory
+from jaxtrain.data import folder
+folder._jax_backends_started = lambda: True  # as after a jit call: the pool is not forked
+folder.load_folder(sys.argv[1], cache_dir=None, workers=2)
+# what a Grain worker leaves when a stream closes mid-batch: a block no one unlinks
+block = shared_memory.SharedMemory(create=True, size=64)
+"""
+
+
+def test_a_folder_decoded_by_a_fork_server_leaves_the_tracker_quiet(tmp_path):
+    """The pool's first lock starts multiprocessing's resource tracker, which reads
+    PYTHONWARNINGS then, once: a streaming run's one-line error stays one line even when
+    the test split was decoded by a fork server before Grain's workers started (seen as
+    a "leaked shared_memory objects" warning under the error of test_input's corrupt image)."""
+    root = small_tree(tmp_path / 'tree')
+    result = subprocess.run([sys.executable, '-c', SERVED_LOAD_THEN_LEAK, str(root)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ''
+
+
 # ---------------------------------------------------------------------------
 # Real photographs of mixed sizes and modes (scikit-image's samples)
 # ---------------------------------------------------------------------------

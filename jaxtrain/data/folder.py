@@ -335,6 +335,7 @@ def _decode_all(splits, shape, channels, resize, max_pixels, reference, n_worker
         executor = concurrent.futures.ProcessPoolExecutor(
             n_pool, mp_context=ctx, initializer=_attach_output, initargs=(out,))
     else:  # workers that do not share our memory send their chunks back
+        quiet_resource_tracker()  # this pool's first lock starts the tracker
         out = {name: np.empty(size, np.uint8) for name, size in sizes.items()}
         executor = concurrent.futures.ProcessPoolExecutor(n_pool, mp_context=ctx)
     try:
@@ -419,6 +420,20 @@ def _attach_output(out) -> None:
 def _decode_shared(name, lo, paths, *settings) -> None:
     """Worker task (forked): decode `paths` into the shared result at [lo, lo + len(paths))."""
     _decode_into(_SHARED_OUTPUT[name][lo:lo + len(paths)], paths, *settings)
+
+
+def quiet_resource_tracker() -> None:
+    """Silences the "leaked shared_memory objects" warning of multiprocessing's resource
+    tracker. A streaming run's Grain workers put batches in shared memory; one a worker
+    had just written when the stream closed (an error, a signal) is freed by the tracker
+    when this process exits, with that warning after the run's one-line error. The
+    tracker reads PYTHONWARNINGS once, when this process's first pool that is not forked
+    starts it (a fork server decoding a folder, Grain's workers): whichever comes first
+    calls this before it."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if quiet not in current:
+        os.environ["PYTHONWARNINGS"] = f"{current},{quiet}" if current else quiet
 
 
 def _mp_context():

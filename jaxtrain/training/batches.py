@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxtrain import data
-from jaxtrain.data import folder_stream
+from jaxtrain.data import folder, folder_stream
 
 PLACEMENTS = ("auto", "device", "stream")
 READ_AHEAD = 16  # steps past the last that the source can serve (see RunBatches.__len__)
@@ -249,7 +249,7 @@ class Stream:
         self.first_step = self.position = None
         self._iterator = None
         if workers:
-            _quiet_resource_tracker()
+            folder.quiet_resource_tracker()
         self._ahead = collections.deque()  # (batch on the devices, Grain state after it)
         self._state = None  # the Grain state after the last batch taken
         self.wait_seconds = 0.0
@@ -352,18 +352,6 @@ class Stream:
             self._ahead.clear()
             if self.workers:
                 _free_shared_memory()
-
-
-def _quiet_resource_tracker() -> None:
-    """A batch a Grain worker had just put in shared memory when the stream closed (an
-    error, a signal) is freed by multiprocessing's resource tracker when this process
-    exits, with a "leaked shared_memory objects" warning that would end the run's
-    output after its one-line error. The tracker starts with the first worker and reads
-    PYTHONWARNINGS then; this filter silences that warning only."""
-    quiet = "ignore:resource_tracker:UserWarning"
-    current = os.environ.get("PYTHONWARNINGS", "")
-    if quiet not in current:
-        os.environ["PYTHONWARNINGS"] = f"{current},{quiet}" if current else quiet
 
 
 def _free_shared_memory() -> None:
