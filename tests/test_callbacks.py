@@ -236,7 +236,7 @@ def child_env(**extra):
     """The environment of a child main.py: XLA's LLVM backend at -O0 (its few steps;
     quick_compile.py), tests/ importable (recording_callback)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["XLA_FLAGS"] = quick_compile.xla_flag(0)
+    env["XLA_FLAGS"] = quick_compile.xla_flags(0)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
@@ -377,7 +377,7 @@ def test_a_stop_on_one_process_stops_both_at_the_same_step(cifar_batches_dir, tm
             f"--workdir={tmp_path / 'run'}", f"--config.data.dir={cifar_batches_dir}",
             f"--coordinator_address={address}", "--num_processes=2"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {quick_compile.xla_flag(0)}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {quick_compile.xla_flags(0)}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     processes = [fork_server.Popen([sys.executable, *args, f"--process_id={i}"], cwd=REPO,
                                    env=env, text=True, stdout=subprocess.PIPE,

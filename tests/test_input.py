@@ -306,7 +306,7 @@ print(json.dumps({"process": jax.process_index(), "devices": jax.local_device_co
 @pytest.mark.slow
 def test_two_processes_stream_disjoint_shards_that_make_up_the_epoch():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {quick_compile.xla_flag()}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {quick_compile.xla_flags()}"
     env["PYTHONPATH"] = str(REPO)
     address = f"localhost:{free_port()}"
     processes = [fork_server.Popen([sys.executable, "-c", SHARD_SCRIPT, address, str(i)],

@@ -60,7 +60,7 @@ def devices_env(count: int, backend_level: int | None = None) -> dict:
     LLVM optimisation level there (None: XLA's default; quick_compile.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}" + (
-        "" if backend_level is None else f" {quick_compile.xla_flag(backend_level)}")
+        "" if backend_level is None else f" {quick_compile.xla_flags(backend_level)}")
     return env
 
 

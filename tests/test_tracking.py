@@ -160,7 +160,7 @@ print(sorted(name for name in ("mlflow", "wandb") if name in sys.modules))
     result = fork_server.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                              text=True, timeout=300,
                              env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
-                                 "PATH": "/usr/bin:/bin", "XLA_FLAGS": quick_compile.xla_flag(0)})
+                                 "PATH": "/usr/bin:/bin", "XLA_FLAGS": quick_compile.xla_flags(0)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
 

@@ -18,8 +18,9 @@ import importlib
 import inspect
 
 import flax.linen as nn
-from flax import nnx
-from flax.nnx import bridge
+
+# flax.nnx is imported where a user's model needs it: it imports IPython where installed
+# (to ask whether it runs in a notebook), a large part of every process's start.
 
 # model.name recorded for a run trained on a module instance (train_and_evaluate(model=...)):
 # not importable, since its constructor arguments are not known; restore needs it again.
@@ -79,6 +80,7 @@ def import_model_class(spec: str):
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ValueError(f"model.name={spec!r}: module {module_name!r} has no {class_name!r}")
+    from flax import nnx
     if not (inspect.isclass(cls) and issubclass(cls, (nn.Module, nnx.Module))):
         raise ValueError(f"model.name={spec!r}: {class_name} is not a Flax Linen or NNX module "
                          "class")
@@ -118,9 +120,10 @@ def build(cls, num_classes: int, dtype, kwargs: dict) -> nn.Module:
         kwargs["num_classes"] = num_classes
     if "dtype" not in kwargs and _accepts(cls, "dtype"):
         kwargs["dtype"] = dtype
+    from flax import nnx
     try:
         if issubclass(cls, nnx.Module):
-            return bridge.to_linen(cls, **kwargs)
+            return nnx.bridge.to_linen(cls, **kwargs)
         return cls(**kwargs)
     except TypeError as error:
         raise ValueError(f"{cls.__module__}.{cls.__name__}: cannot be built with "
@@ -132,10 +135,11 @@ def from_instance(module) -> nn.Module:
     parameters already initialised) through the bridge."""
     if isinstance(module, nn.Module):
         return module
+    from flax import nnx
     if isinstance(module, nnx.Module):
         # A fresh copy per trace: the bridge must not mutate the caller's object.
         graphdef, state = nnx.split(module)
-        return bridge.to_linen(lambda: nnx.merge(graphdef, state, copy=True), skip_rng=True)
+        return nnx.bridge.to_linen(lambda: nnx.merge(graphdef, state, copy=True), skip_rng=True)
     raise TypeError(f"model={type(module).__name__}: expected a Flax Linen or NNX module")
 
 
