@@ -17,10 +17,9 @@ import pytest
 
 import quick_compile  # imports no JAX
 
-# XLA's LLVM backend at -O1, and its LLVM IR fusion emitters, for everything the session
-# compiles, here and in the processes the tests start (they inherit XLA_FLAGS), set before
-# JAX is imported: programs compile almost as fast as at -O0 and run as fast as at the
-# default -O2 (quick_compile.py).
+# XLA's LLVM backend at -O1 for everything the session compiles, here and in the processes
+# the tests start (they inherit XLA_FLAGS), set before JAX is imported: programs compile
+# almost as fast as at -O0 and run as fast as at the default -O2 (quick_compile.py).
 os.environ['XLA_FLAGS'] = ' '.join(filter(None, [os.environ.get('XLA_FLAGS'),
                                                  quick_compile.xla_flags(1)]))
 

@@ -671,7 +671,8 @@ def test_without_cifar10_tests_skip_outside_ci_and_fail_under_ci(tmp_path):
     from pathlib import Path
     checkout = tmp_path / "checkout" / "tests"  # no shared/ beside 'checkout'
     checkout.mkdir(parents=True)
-    shutil.copy(Path(__file__).parent / "conftest.py", checkout)
+    for helper in ("conftest.py", "quick_compile.py"):
+        shutil.copy(Path(__file__).parent / helper, checkout)
     (checkout / "test_needs_data.py").write_text(
         "def test_it(cifar_subset):\n    assert False, 'not skipped'\n")
     repo = Path(__file__).resolve().parents[1]
