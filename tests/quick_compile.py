@@ -21,8 +21,8 @@ import os
 LEVEL = 0  # XLA's LLVM optimisation level (--xla_backend_optimization_level) here
 
 # At -O0, also XLA:CPU's fusions through its LLVM IR emitters rather than its newer MLIR
-# fusion emitters: a program compiles in a third less CPU time or better (a CNN's init: 3x
-# less) and runs as fast (BENCHMARKS.md, "The test suite on two cores"). Not at -O1, where
+# fusion emitters: a program compiles in a third less CPU time or better (a CNN's init:
+# half) and runs no slower (BENCHMARKS.md, "The test suite on two cores"). Not at -O1, where
 # runs that a test holds bit for bit to another program compile (a replica and its single
 # run, streamed and device-resident input): the old emitters round some of those pairs apart.
 OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
