@@ -205,6 +205,7 @@ block = shared_memory.SharedMemory(create=True, size=64)
 """
 
 
+@pytest.mark.slow  # a process of its own, with a fork server
 def test_a_folder_decoded_by_a_fork_server_leaves_the_tracker_quiet(tmp_path):
     """The pool's first lock starts multiprocessing's resource tracker, which reads
     PYTHONWARNINGS then, once: a streaming run's one-line error stays one line even when
