@@ -239,6 +239,40 @@ def test_models_with_dropout_train_by_name_and_by_instance(dropnets, cifar_batch
         assert not np.allclose(dropped[0], dropped[1]), name
 
 
+def training_logits(model, variables, images, seeds):
+    """The model's training-mode logits under each seed's dropout key (one compiled call)."""
+    def logits(variables, key):
+        return model.apply(variables, images, train=True, rngs={"dropout": key})
+    keys = jax.numpy.stack([jax.random.key(seed) for seed in seeds])
+    return np.asarray(jax.jit(jax.vmap(logits, in_axes=(None, 0)))(variables, keys))
+
+
+def test_an_nnx_instance_draws_its_dropout_masks_from_the_steps_key(dropnets):
+    """An NNX instance's nnx.Dropout keeps the stream of the Rngs it was built with, which
+    the bridge does not carry from one call to the next: it dropped the same units at
+    every step. Its masks come from the step's 'dropout' key, as its class's by name do,
+    and with the same parameters they are the same masks."""
+    import flax.nnx as nnx
+    instance = dropnets.DropNNX(num_classes=10, rngs=nnx.Rngs(0))
+    given = user.from_instance(instance)
+    by_name = models.create_model(small_config("/nowhere", "dropnets:DropNNX").model, 10,
+                                  np.float32)
+    given_variables = models.init_variables(given, jax.random.key(0), (32, 32, 3))
+    by_name_variables = models.init_variables(by_name, jax.random.key(0), (32, 32, 3))
+    np.testing.assert_array_equal(given_variables["params"]["head"]["kernel"],
+                                  instance.head.kernel[...])  # the instance's own
+    images = np.random.default_rng(0).normal(size=(4, 32, 32, 3)).astype(np.float32)
+    seeds = (1, 2, 3, 1)
+    logits = {"instance": training_logits(given, given_variables, images, seeds),
+              "by name": training_logits(by_name, by_name_variables, images, seeds)}
+    for name, dropped in logits.items():
+        np.testing.assert_array_equal(dropped[0], dropped[3], err_msg=name)
+        for i, j in ((0, 1), (0, 2), (1, 2)):
+            assert not np.allclose(dropped[i], dropped[j]), (name, seeds[i], seeds[j])
+    np.testing.assert_array_equal(training_logits(given, by_name_variables, images, seeds),
+                                  logits["by name"])
+
+
 def test_a_models_own_error_keeps_its_traceback_and_a_misfit_is_one_line(dropnets):
     """A NameError inside the user's model is raised as it is, with its traceback; only
     shapes that do not fit become the config message naming the key."""

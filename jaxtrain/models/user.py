@@ -18,6 +18,7 @@ import importlib
 import inspect
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 # flax.nnx is imported where a user's model needs it: it imports IPython where installed
 # (to ask whether it runs in a notebook), a large part of every process's start.
@@ -132,15 +133,35 @@ def build(cls, num_classes: int, dtype, kwargs: dict) -> nn.Module:
 
 def from_instance(module) -> nn.Module:
     """A Linen module from a module instance: a Linen one as it is, an NNX one (its
-    parameters already initialised) through the bridge."""
+    parameters already initialised) through the bridge, its random streams drawn afresh
+    from each call's 'dropout' key (see reseeded_copy)."""
     if isinstance(module, nn.Module):
         return module
     from flax import nnx
     if isinstance(module, nnx.Module):
-        # A fresh copy per trace: the bridge must not mutate the caller's object.
         graphdef, state = nnx.split(module)
-        return nnx.bridge.to_linen(lambda: nnx.merge(graphdef, state, copy=True), skip_rng=True)
+        return nnx.bridge.to_linen(lambda rngs: reseeded_copy(graphdef, state, rngs))
     raise TypeError(f"model={type(module).__name__}: expected a Flax Linen or NNX module")
+
+
+def reseeded_copy(graphdef, state, rngs):
+    """A fresh copy of an NNX instance (the bridge must not mutate the caller's object)
+    whose random streams draw from `rngs`' 'dropout' stream, the bridge's for the call.
+
+    The bridge keeps no stream state between calls, so the instance's own streams (its
+    nnx.Dropout's, forked from the Rngs it was built with) would give the same mask at
+    every step. Each of its streams, whatever its name (nnx.Rngs(0) names them all
+    'default'), instead takes the next key of the 'dropout' stream: the step's dropout key,
+    as a class built by the bridge gets it, so that two dropout layers still differ. A
+    call without a 'dropout' key (evaluation) keeps the instance's streams."""
+    from flax import nnx
+    module = nnx.merge(graphdef, state, copy=True)
+    if "dropout" in rngs:
+        for _, stream in nnx.iter_graph(module):
+            if isinstance(stream, nnx.RngStream):
+                stream.key.set_value(rngs.dropout())
+                stream.count.set_value(jnp.zeros((), jnp.uint32))
+    return module
 
 
 def create(model_config, num_classes: int, dtype) -> nn.Module:
