@@ -227,9 +227,9 @@ def test_every_key_refuses_a_wrong_type_and_an_out_of_range_value(tmp_path):
     ranged = {k for k in keys if k in checks.RANGES}
     # A key added without a rule must get one (booleans take any value of their type;
     # data.dir, train.compilation_cache, seed and the trackers' URI and project any string
-    # and int; model.name has its own check).
+    # and int; model.name and optimizer.name have their own checks).
     assert {k for k in keys if not isinstance(checks._value(config, k), bool)} - {
-        *ANY_VALUE, "model.name"} <= ranged
+        *ANY_VALUE, "model.name", "optimizer.name"} <= ranged
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases), MAIN], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -13,8 +13,16 @@ from jaxtrain.config import checks
     ("model.conv_init", "identity", "config.model.conv_init='identity': must be one of"),
     ("model.bn_epsilon", 0.0, "config.model.bn_epsilon=0.0: must be > 0"),
     ("model.head_init_std", -1.0, "config.model.head_init_std=-1.0: must be >= 0"),
-    ("optimizer.name", "lion", "config.optimizer.name='lion': must be one of sgd, adam, adamw, "
-                               "muon"),
+    ("optimizer.name", "loin", r"config.optimizer.name='loin': unknown optimiser \(did you mean "
+                               "'lion'"),
+    ("optimizer.name", "contrib.schedule_free_adam",
+     "did you mean 'contrib.schedule_free_adamw'"),
+    ("optimizer.clip_norm", -1.0, r"config.optimizer.clip_norm=-1.0: must be >= 0 \(0: off\)"),
+    ("train.loss", "hinge", "config.train.loss='hinge': must be one of softmax_xent, "
+                            "sigmoid_xent, focal, or 'package.module:function'"),
+    ("train.focal_gamma", -1.0, "config.train.focal_gamma=-1.0: must be >= 0"),
+    ("augment.fn", "noise", r"config.augment.fn='noise': must be '' \(none\) or "
+                            "'package.module:function'"),
     ("optimizer.ns_steps", 0, "config.optimizer.ns_steps=0: must be an int >= 1"),
     ("optimizer.ns_coeffs", (1.0, 2.0), r"config.optimizer.ns_coeffs=\(1.0, 2.0\): must be three"),
     ("optimizer.lookahead_steps", -1, "config.optimizer.lookahead_steps=-1: must be an int >= 0"),

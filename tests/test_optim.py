@@ -81,7 +81,7 @@ def test_adamw_decays_weights_without_touching_the_gradient_statistics():
     np.testing.assert_allclose(coupled["w"], [2.0 - 0.1], rtol=TRAINING_STEPS)
 
 
-@pytest.mark.parametrize("key,value", [("name", "lion"), ("schedule", "step")])
+@pytest.mark.parametrize("key,value", [("name", "loin"), ("schedule", "step")])
 def test_unknown_names_are_refused(key, value):
     config = opt_config(**{key: value})
     with pytest.raises(ValueError, match=f"optimizer.{key}"):
@@ -302,7 +302,8 @@ def test_renormalized_filters_keep_norm_sqrt_output_channels():
     ({"x": default.param_group("Conv_0/bias", lr=0.1)}, r"groups.x: unknown key\(s\) lr"),
     ({"x": default.param_group("Conv_0/bias", learning_rate=0.1)}, "unknown key"),
     ({"default": default.param_group("Conv_0/bias")}, "'default' is reserved"),
-    ({"x": default.param_group("Conv_0/bias", name="lion")}, "groups.x.name='lion'"),
+    ({"x": default.param_group("Conv_0/bias", name="loin")},
+     r"groups.x.name='loin': unknown optimiser \(did you mean 'lion'"),
     ({"x": default.param_group("Conv_0/bias", train_steps=-1)}, "train_steps must be >= 0"),
 ])
 def test_bad_groups_are_config_errors_naming_them(groups, message):

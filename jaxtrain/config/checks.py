@@ -16,7 +16,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.models import cnn, resnet, user, whitening
 from jaxtrain.models.ops import batchnorm, onednn, pooling
 from jaxtrain.runtime import xla_flags
-from jaxtrain.training import augment, batches, optim, replicas
+from jaxtrain.training import augment, batches, losses, optim, replicas
 
 PRECISIONS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # train.precision
@@ -35,13 +35,16 @@ def compute_dtype(precision: str):
     return PRECISIONS[resolve_precision(precision)]
 
 
+KWARGS = ("model.kwargs", "optimizer.kwargs")  # dicts of a class's or function's arguments: one value
+
+
 def flat_keys(config, prefix: str = "") -> list[str]:
     """The dotted names of a config's values ('train.batch_size', ...); a group of
     optimizer.groups counts as its own keys, a non-dict group as one value."""
     keys = []
     for name, value in config.items():
         key = f"{prefix}{name}"
-        if isinstance(value, (dict, ml_collections.ConfigDict)) and not key == "model.kwargs":
+        if isinstance(value, (dict, ml_collections.ConfigDict)) and key not in KWARGS:
             keys += flat_keys(value, key + ".") or [key]
         else:
             keys.append(key)
@@ -113,8 +116,7 @@ def check_keys(config) -> None:
     (A parameter group's keys are optim.check_groups's to check, a callback's its own.)"""
     known = known_keys()
     for key in flat_keys(config):
-        if key not in known and not key.startswith(("model.kwargs", "optimizer.groups.",
-                                                     "callbacks.")):
+        if key not in known and not key.startswith((*KWARGS, "optimizer.groups.", "callbacks.")):
             raise unknown_key_error(key, known)
 
 
@@ -200,7 +202,9 @@ RANGES = {
     "model.pool_impl": (_one_of(*pooling.POOL_IMPLS), "one of " + ", ".join(pooling.POOL_IMPLS)),
     "model.conv_impl": (_one_of(*onednn.CONV_IMPLS), "one of " + ", ".join(onednn.CONV_IMPLS)),
     "model.bn_impl": (_one_of(*batchnorm.BN_IMPLS), "one of " + ", ".join(batchnorm.BN_IMPLS)),
-    "optimizer.name": (_one_of(*optim.OPTIMIZERS), "one of " + ", ".join(optim.OPTIMIZERS)),
+    "optimizer.kwargs": (lambda v: isinstance(v, (dict, ml_collections.ConfigDict)),
+                         "a dict of the optax optimiser's arguments"),
+    "optimizer.clip_norm": (_at_least(0), ">= 0 (0: off)"),
     "optimizer.learning_rate": (_above(0), "> 0"),
     "optimizer.momentum": (_within(0, 1, open_high=True), "in [0, 1)"),
     "optimizer.weight_decay": (_at_least(0), ">= 0"),
@@ -228,6 +232,8 @@ RANGES = {
     "augment.cutmix": (_at_least(0), ">= 0 (Beta(alpha, alpha)'s alpha; 0: off)"),
     "augment.mix_prob": (_within(0, 1), "in [0, 1] (the share of batches mixed)"),
     "augment.switch_prob": (_within(0, 1), "in [0, 1] (the share of mixed batches cut)"),
+    "augment.fn": (lambda v: isinstance(v, str) and (v == "" or ":" in v),
+                   "'' (none) or 'package.module:function'"),
     "augment.crop": (_one_of(*augment.HOST_CROPS), "one of " + ", ".join(augment.HOST_CROPS)),
     "augment.crop_scale": (_pair(0, 1), "(low, high) with 0 < low <= high <= 1"),
     "augment.crop_ratio": (_pair(0, float("inf")), "(low, high) with 0 < low <= high"),
@@ -237,6 +243,9 @@ RANGES = {
     "train.num_steps": (_at_least(0, True), "an int >= 0 (0: train.num_epochs decides)"),
     "train.precision": (_one_of(*PRECISION_CHOICES), "one of " + ", ".join(PRECISION_CHOICES)),
     "train.label_smoothing": (_within(0, 1, open_high=True), "in [0, 1)"),
+    "train.loss": (lambda v: isinstance(v, str) and (v in losses.BUILT_IN or ":" in v),
+                   "one of " + ", ".join(losses.BUILT_IN) + ", or 'package.module:function'"),
+    "train.focal_gamma": (_at_least(0), ">= 0"),
     "train.log_every_steps": (_at_least(0, True), "an int >= 0 (0: about 50 rows a run)"),
     "train.loop": (_one_of("auto", "scan", "python"), "'auto', 'scan' or 'python'"),
     "train.drop_finished_groups": (lambda v: isinstance(v, bool), "True or False"),
@@ -308,6 +317,8 @@ def check_config(config) -> None:
         value = _value(config, key)
         need(works(value), key, value, "must be " + what)
     model, opt, dc, aug = config.model, config.optimizer, config.data, config.augment
+    if not optim.known_name(opt.name):
+        raise optim.unknown_name_error("optimizer.name", opt.name)
     need(model.name in models.MODEL_NAMES or user.is_user_model(model.name),
          "model.name", model.name,
          f"unknown model (did you mean {nearest_name(model.name, models.MODEL_NAMES)!r}? "
@@ -421,7 +432,7 @@ def recipe_changes(saved: dict, config) -> list[tuple[str, object, object]]:
         out = {}
         for name, value in tree.items():
             key = f"{prefix}{name}"
-            if isinstance(value, dict) and key != "model.kwargs":
+            if isinstance(value, dict) and key not in KWARGS:
                 out.update(flat(value, key + ".") or {key: {}})
             else:
                 out[key] = tuple(value) if isinstance(value, list) else value

@@ -85,7 +85,11 @@ def get_config() -> ml_collections.ConfigDict:
                                      # gradients within bfloat16 rounding of Flax's)
 
     config.optimizer = ml_collections.ConfigDict()
-    config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only)
+    config.optimizer.name = "sgd"    # 'sgd' | 'adam' | 'adamw' | 'muon' (>= 2-D parameters only), with the keys below; or
+                                     # any optax optimiser by name ('lion', 'adafactor', 'contrib.schedule_free_adamw', ...)
+                                     # with optimizer.kwargs, taking the schedule below as its learning rate
+    config.optimizer.kwargs = {}     # an optax optimiser's other arguments, e.g. {'b1': 0.95} (not the built-ins')
+    config.optimizer.clip_norm = 0.0  # > 0: clip the gradient's global norm to this first (any optimiser); 0 = off
     config.optimizer.learning_rate = 0.1
     config.optimizer.momentum = 0.9  # sgd; 0 = plain SGD
     config.optimizer.nesterov = False
@@ -123,6 +127,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.cutmix = 0.0      # CutMix: Beta(this, this) box area; 0 = off (timm's recipes: 1.0)
     config.augment.mix_prob = 1.0    # mixup/cutmix: the share of batches mixed
     config.augment.switch_prob = 0.5  # both on: the share of mixed batches that use CutMix rather than MixUp
+    config.augment.fn = ""           # 'package.module:function': your augmentation, fn(images, key) -> images on float32
+                                     # (N, H, W, C) images in [0, 1], after the built-ins, inside the compiled step; '' = none
     config.augment.crop = "none"     # 'random_resized' (streamed folders: ImageNet-style crop + flip on the host) | 'none'
     config.augment.crop_scale = (0.08, 1.0)  # random_resized: share of the image's area
     config.augment.crop_ratio = (3 / 4, 4 / 3)  # random_resized: aspect ratio range (log-uniform)
@@ -138,6 +144,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.precision = "auto"  # 'bfloat16' (float32 params/stats/opt state) | 'float32' | 'auto' (bfloat16 on
                                      # GPUs and TPUs, float32 on a CPU, whose bfloat16 is many times slower)
     config.train.label_smoothing = 0.0
+    config.train.loss = "softmax_xent"  # per example, reported as train_loss and test_loss: 'softmax_xent' | 'sigmoid_xent'
+                                     # (one-vs-all, summed over classes) | 'focal' | 'package.module:function',
+                                     # fn(logits, targets) -> (N,) with targets probability vectors (smoothed, mixed)
+    config.train.focal_gamma = 2.0   # train.loss='focal': (1 - p)^gamma weighting; 0 = softmax_xent
     config.train.log_every_steps = 0  # a metrics.jsonl row every this many steps; 0 = about 50 rows a run (no extra chunks either way)
     config.train.chunk_steps = 0     # > 0: a chunk (one program call) ends at every multiple of this many steps, where a multi-process run can stop for a signal; 0 = epochs
     config.train.chunk_seconds = 2.0  # a scanned chunk runs in calls of about this long, so that a signal is honoured and the

@@ -19,11 +19,13 @@ from jaxtrain.run import summary as summary_lib
 from jaxtrain.run.session import Evaluation
 from jaxtrain.runtime import phases, processes, signals
 from jaxtrain.training import checkpoint, chunks, evaluation as evaluation_lib, train_state
+from jaxtrain.training import parts as parts_lib
 
 PRINT = functools.partial(print, flush=True)  # the console's lines, as they happen
 
 
-def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | None = None,
+def train_and_evaluate(config, workdir: str, *, model=None, optimizer=None, loss=None,
+                       augment=None, start_time: float | None = None,
                        profile_steps: int = 0, warm_up: bool = False, callbacks=(),
                        peers=None) -> dict:
     """Trains and evaluates the model the config describes; writes reports to workdir.
@@ -31,6 +33,13 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     Resumes from the newest checkpoint in workdir/checkpoints when there is one.
     Returns the summary (also written to workdir/summary.json). In a multi-process
     run every process calls this; process 0 alone prints and writes the reports.
+    The parts of the run you bring from Python, instead of the config's choices:
+    model: a Flax Linen or NNX module instance; optimizer: an optax.GradientTransformation,
+    or a function of the learning rate returning one (called with the config's schedule,
+    which a sweep sweeps); loss: fn(logits, targets) -> (N,) losses, targets being
+    probability vectors (after label smoothing and MixUp/CutMix); augment: fn(images, key)
+    -> images, on float32 (N, H, W, C) images in [0, 1] after the built-in augmentations.
+    To resume the run, pass them again.
     start_time: when the process started (main.py), so summary.json's total_seconds
     and its phase_seconds cover the imports too. profile_steps > 0: trace that many
     steps after a warm-up step into workdir/profile and print the costliest XLA ops.
@@ -44,23 +53,25 @@ def train_and_evaluate(config, workdir: str, *, model=None, start_time: float | 
     clock.lap("imports", "imported JAX, Flax and jaxtrain" if start_time is not None else None)
     signals.enter_phase("checking the config; nothing written yet")
     checks.check_config(config)
-    return run_checked(config, workdir, model=model, clock=clock, profile_steps=profile_steps,
-                       warm_up=warm_up, callbacks=callbacks, peers=peers)
+    return run_checked(config, workdir, parts=parts_lib.Parts(model, optimizer, loss, augment),
+                       clock=clock, profile_steps=profile_steps, warm_up=warm_up,
+                       callbacks=callbacks, peers=peers)
 
 
-def run_checked(config, workdir: str, *, model=None, clock=None, profile_steps: int = 0,
+def run_checked(config, workdir: str, *, parts=None, clock=None, profile_steps: int = 0,
                 warm_up: bool = False, callbacks=(), peers=None) -> dict:
     """train_and_evaluate with a config already checked (checks.check_config), where the
     command that started it checked it (jaxtrain.compare)."""
     if clock is None:
         clock = phases.Clock(None, say=PRINT if processes.is_main_process() else None)
-    config = start_lib.run_config(config, workdir, model)
+    parts = parts or parts_lib.Parts()
+    config = start_lib.run_config(config, workdir, parts)
     complete = resume.completed_summary(workdir, config)
     if complete is not None:  # nothing left to train: say so instead of starting anew
         return complete
     given = callbacks_lib.from_config(config, callbacks)
     try:
-        run, state, window, times, paced = start_lib.start(config, workdir, model, clock,
+        run, state, window, times, paced = start_lib.start(config, workdir, parts, clock,
                                                            profile_steps, warm_up, peers)
     except BaseException:
         checkpoint.let_go(workdir)  # start held it from its first write there

@@ -7,7 +7,7 @@ import os
 from jaxtrain.config import checks
 from jaxtrain.errors import ConfigError
 from jaxtrain.runtime import processes, report
-from jaxtrain.training import checkpoint, prepare, train_state
+from jaxtrain.training import checkpoint, optim, prepare, train_state
 
 
 def completed_summary(workdir: str, config) -> dict | None:
@@ -81,10 +81,17 @@ def checkpoint_meta(run: prepare.Setup, seed: int, state, train_seconds: float,
 def check_resumable(workdir: str, config) -> None:
     """A workdir with checkpoints resumes only the recipe that wrote them: any change that
     alters training (checks.recipe_changes) stops here, before anything is loaded or
-    written, unless checkpoint.allow_recipe_change says to go on (and then it is said)."""
+    written, unless checkpoint.allow_recipe_change says to go on (and then it is said);
+    another optimiser (optimizer.name) stops here either way (optimizer_change)."""
     changes = saved_recipe_changes(workdir, config, say_moved=True)
     if not changes:
         return
+    optimizer = optimizer_change(workdir, changes, config.checkpoint.allow_recipe_change)
+    if optimizer is not None:
+        raise ConfigError(optimizer)
+    missing = python_part_missing(workdir, changes)
+    if missing is not None:
+        raise ConfigError(missing)
     note = extension(workdir, config, changes)
     if note is not None:  # a finished run trained on for longer: allowed, and said
         if processes.is_main_process():
@@ -100,6 +107,43 @@ def check_resumable(workdir: str, config) -> None:
         print(f"resuming with a changed recipe ({listed}): checkpoint.allow_recipe_change=True;"
               " the run is no longer an exact resume of the one that wrote the checkpoints",
               flush=True)
+
+
+def optimizer_change(workdir: str, changes: list, allowed: bool) -> str | None:
+    """The line refusing a resume whose optimizer.name is not the one that wrote the
+    checkpoints (to or from one passed from Python, 'python:module:name', too), when it
+    is the only change or the others are allowed: the optimiser state they hold is the
+    other optimiser's, which allow_recipe_change cannot make this one's. None otherwise
+    (several changes, refused: the recipe line lists them all)."""
+    names = [(before, after) for key, before, after in changes if key == "optimizer.name"]
+    if not names or (len(changes) > 1 and not allowed):
+        return None
+    (before, after), = names
+    again = ("pass that optimiser to train_and_evaluate(optimizer=...) again"
+             if str(before).startswith(optim.PYTHON) else f"--config.optimizer.name={before}")
+    return (f"config.optimizer.name: the checkpoints in {workdir} were written with "
+            f"{before!r}, this run uses {after!r}; the optimiser state they hold is "
+            f"{before!r}'s. Resume with the same optimiser ({again}), or use another "
+            f"--workdir (--config.model.init_from={workdir} starts a new run from its weights)")
+
+
+# The config keys that record a part passed from Python (parts.py), and its argument.
+PYTHON_PARTS = {"train.loss": "loss", "augment.fn": "augment"}
+
+
+def python_part_missing(workdir: str, changes: list) -> str | None:
+    """The line refusing a resume without the loss or augmentation the run was given from
+    Python (recorded as 'python:module:name'), when that is the only change; None
+    otherwise (the recipe line lists several)."""
+    if len(changes) != 1 or changes[0][0] not in PYTHON_PARTS:
+        return None
+    (key, before, after), = changes
+    if not str(before).startswith(optim.PYTHON):
+        return None
+    argument = PYTHON_PARTS[key]
+    return (f"config.{key}: the run in {workdir} was trained with a {argument} passed from "
+            f"Python ({before!r}), this run has {after!r}; pass it again "
+            f"(train_and_evaluate(..., {argument}=...)) to resume, or use another --workdir")
 
 
 LENGTH_KEYS = ("train.num_steps", "train.num_epochs")

@@ -106,7 +106,8 @@ def train_rows(window: RowWindow, ends: list, run: prepare.Setup, schedules,
                            replica=one.replica, seed=one.seed, **one.settings)
                 schedule = schedules[one.replica]
             row.update(epoch=round(end / run.steps_per_epoch, 4),
-                       learning_rate=float(schedule(end - 1)),
+                       **({} if schedule is None else
+                          {"learning_rate": float(schedule(end - 1))}),
                        input_wait_fraction=round(chunk.wait / max(chunk.seconds, 1e-9), 4),
                        seconds=round(seconds, 4))
             rows.append(row)
@@ -160,7 +161,10 @@ def with_test_metrics(rows: list, step: int, metrics: dict, run: prepare.Setup,
 
 
 def run_schedules(config, run: prepare.Setup) -> list:
-    """The learning-rate schedule of each replica (one for a single run), for the rows."""
+    """The learning-rate schedule of each replica (one for a single run), for the rows;
+    None for an optimiser that does not take it (a transformation passed from Python)."""
+    if not run.logs_learning_rate:
+        return [None] * len(run.runs or [None])
     if not run.runs:
         return [run.schedule]
     return [optim.create_schedule(replicas.run_config(config, one).optimizer, run.total_steps)

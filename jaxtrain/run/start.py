@@ -17,11 +17,11 @@ from jaxtrain.run import rows as rows_lib
 from jaxtrain.run import session as session_lib
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.runtime import processes, report, signals, supervise, xla_cache
-from jaxtrain.training import (checkpoint, chunks, inputs, model_state, placement, prepare, step,
-                               train_state)
+from jaxtrain.training import (checkpoint, chunks, inputs, model_state, parts as parts_lib,
+                               placement, prepare, step, train_state)
 
 
-def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
+def start(config, workdir: str, parts, clock, profile_steps: int, warm_up: bool,
           peers=None):
     """Everything before the first chunk: the data and model built, the checkpoint
     restored, the programs compiled, the console's header printed.
@@ -32,7 +32,7 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     mesh = placement.create_mesh(config.parallel.fsdp)
     placement.check_batch_split(config.train.batch_size, mesh, config.train.accumulate_steps)
     signals.enter_phase("loading the data and building the model; nothing written yet")
-    run, manager, state, data_key, meta = restore_or_init(config, workdir, model, clock, mesh,
+    run, manager, state, data_key, meta = restore_or_init(config, workdir, parts, clock, mesh,
                                                           peers)
     resumed, meta = meta is not None, meta or {}
     start_step = train_state.current_step(state)
@@ -101,19 +101,22 @@ def start(config, workdir: str, model, clock, profile_steps: int, warm_up: bool,
     return started, state, window, times, paced or kind_of_loop(config, run) != "scan"
 
 
-def run_config(config, workdir: str, model=None):
-    """The run's checked config with absolute paths and the name of a model passed in,
-    resumable from what `workdir` holds (resume.check_resumable); a copy."""
+def run_config(config, workdir: str, parts):
+    """The run's checked config with absolute paths and the names of the parts passed in
+    (parts.Parts: a model instance, an optimiser, a loss, an augmentation), resumable from
+    what `workdir` holds (resume.check_resumable); a copy."""
     config = checks.with_absolute_paths(config)  # a copy: the caller's stays as it was
-    if model is not None:
+    if parts.model is not None:
         with config.unlocked():
-            config.model.name = user.instance_name(model)
-            config.model.kwargs = user.instance_kwargs(model) or config.model.get("kwargs", {})
+            config.model.name = user.instance_name(parts.model)
+            config.model.kwargs = (user.instance_kwargs(parts.model)
+                                   or config.model.get("kwargs", {}))
+    parts_lib.record(config, parts)
     resume.check_resumable(workdir, config)
     return config
 
 
-def restore_or_init(config, workdir: str, model, clock, mesh, peers):
+def restore_or_init(config, workdir: str, parts, clock, mesh, peers):
     """The data and model built (prepare.setup), workdir held for this run (process 0:
     checkpoint.hold_workdir, before anything is written there; loop.py lets go), and the
     newest checkpoint in it restored, else the initial state. Returns (the Setup, the
@@ -123,7 +126,7 @@ def restore_or_init(config, workdir: str, model, clock, mesh, peers):
     # Resuming: the initial state's shapes only (no init compiled or run for nothing);
     # the checkpoint fills them.
     resuming = bool(checkpoint.saved_steps(checkpoint.checkpoint_dir(workdir)))
-    run = prepare.setup(config, mesh, model=model, clock=clock, abstract_state=resuming)
+    run = prepare.setup(config, mesh, parts=parts, clock=clock, abstract_state=resuming)
     note = precision_note(config.train.precision, config.model.name)
     if note and main_process:
         print(note, flush=True)
@@ -149,7 +152,7 @@ def restore_or_init(config, workdir: str, model, clock, mesh, peers):
     restored = checkpoint.restore(manager, target, run.data_key)
     if restored is None:
         if resuming:  # step folders that Orbax does not list: none whole
-            run = prepare.setup(config, mesh, model=model)
+            run = prepare.setup(config, mesh, parts=parts)
         clock.lap("restore")
         return run, manager, run.state, run.data_key, None
     state, data_key, meta = restored

@@ -137,6 +137,7 @@ def device_kwargs(augment_config) -> dict:
 # fold_in data for a step's MixUp/CutMix key (step.train_step): the step key's split
 # into (augment, dropout) keys stays as it was, so a run that does not mix is unchanged.
 MIX_STREAM = 0x4D495820  # "MIX "
+USER_STREAM = 0x55534552  # "USER": the key of the user's augmentation (step.train_step)
 MIX_KEYS = ("mixup", "cutmix", "mix_prob", "switch_prob")
 
 

@@ -4,9 +4,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from jaxtrain.training import augment, step
+from jaxtrain.training import augment, losses, step
 
 
 def predict_logits(state, images, *, mean, std, tta, pad_mode):
@@ -73,20 +72,22 @@ def with_tta_logits(plain, picked, tta_logits, tta_images: int):
     return flat.at[picked[:tta_images]].set(tta_logits).reshape(plain.shape)
 
 
-def logits_metrics(logits, y_batches, valid_batches):
-    """Mean loss and accuracy of padded batches' logits (padding masked out)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y_batches)
+def logits_metrics(logits, y_batches, valid_batches, loss=losses.softmax_xent):
+    """Mean loss (the run's `loss`, losses.py) and accuracy of padded batches' logits
+    (padding masked out)."""
+    per_example = losses.integer_label_losses(loss, logits, y_batches)
     correct = jnp.argmax(logits, -1) == y_batches
     count = jnp.sum(valid_batches)
-    return {"loss": jnp.sum(jnp.sum(losses * valid_batches, axis=1)) / count,
+    return {"loss": jnp.sum(jnp.sum(per_example * valid_batches, axis=1)) / count,
             "accuracy": jnp.sum(jnp.sum(correct * valid_batches, axis=1)) / count}
 
 
-def evaluate(state, x_batches, y_batches, valid_batches, **logits_kwargs):
+def evaluate(state, x_batches, y_batches, valid_batches, loss=losses.softmax_xent,
+             **logits_kwargs):
     """Mean loss and accuracy over padded test batches (padding masked out), as one
     program; logits_kwargs: those of eval_logits."""
     logits = eval_logits(state, x_batches, valid_batches, **logits_kwargs)
-    return logits_metrics(logits, y_batches, valid_batches)
+    return logits_metrics(logits, y_batches, valid_batches, loss)
 
 
 class EvaluationStopped(Exception):
@@ -94,7 +95,8 @@ class EvaluationStopped(Exception):
 
 
 def compile_evaluation(state, x_batches, y_batches, valid_batches, *, mean, std, tta,
-                       pad_mode, tta_images=None, replicas: bool = False, out_sharding=None):
+                       pad_mode, tta_images=None, loss=losses.softmax_xent,
+                       replicas: bool = False, out_sharding=None):
     """evaluate() as a host loop over the test batches, one compiled call per batch, so
     that it can stop between any two (a signal) and show how far it is: returns
     evaluate_batches(state, x_batches, y_batches, valid_batches, should_stop=None,
@@ -135,9 +137,9 @@ def compile_evaluation(state, x_batches, y_batches, valid_batches, *, mean, std,
     plain_spec = jax.ShapeDtypeStruct(  # every batch's, stacked
         plain_shape.shape[:axis] + (x_batches.shape[0],) + plain_shape.shape[axis:],
         plain_shape.dtype, sharding=out_sharding)
-    metrics_fn, _ = compiled(
-        jax.vmap(logits_metrics, in_axes=(0, None, None)) if replicas else logits_metrics,
-        plain_spec, y_batches, valid_batches)
+    metrics = functools.partial(logits_metrics, loss=loss)
+    metrics_fn, _ = compiled(jax.vmap(metrics, in_axes=(0, None, None)) if replicas else metrics,
+                             plain_spec, y_batches, valid_batches)
     if partial_tta:
         pick = functools.partial(least_confident, tta_images=tta_images)
         pick_fn, picked_spec = compiled(jax.vmap(pick, in_axes=(0, None)) if replicas

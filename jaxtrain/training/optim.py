@@ -1,11 +1,20 @@
 """The `optimizer` config block -> an optax learning-rate schedule and transformation.
 
+optimizer.name: a built-in (sgd, adam, adamw, muon, with their config keys), any
+optimiser of optax or optax.contrib by its name ('lion', 'contrib.schedule_free_adamw',
+with optimizer.kwargs), or one passed from Python (parts.py); every one of them takes
+the schedule below as its learning rate. optimizer.clip_norm clips the gradient's global
+norm first, whichever it is.
+
 One optimiser for every parameter, or parameter groups (optimizer.groups): each
 group names its parameters by a regular expression on their '/'-joined path and
 gets its own optimiser, learning-rate multiplier and weight decay, combined with
 optax.partition. The record CIFAR-10 recipes need this: Muon for the conv
 filters, Nesterov SGD at very different rates for the biases and the head.
 """
+import difflib
+import functools
+import inspect
 import math
 import re
 
@@ -17,7 +26,9 @@ from optax.contrib import MuonDimensionNumbers
 from jaxtrain.errors import ConfigError
 
 SCHEDULES = ("constant", "linear", "onecycle", "warmup_cosine")
-OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon")  # built in, with their own config keys
+CONTRIB = "contrib."  # optimizer.name 'contrib.NAME': optax.contrib.NAME
+PYTHON = "python:"  # optimizer.name of an optimiser passed from Python (parts.py)
 GROUP_ONLY_KEYS = ("params", "lr_scale", "train_steps", "freeze")
 # The schedule's shape is shared by all groups; a group scales it with lr_scale.
 # So is `flatten`, a choice of how the whole update is computed.
@@ -139,9 +150,8 @@ def check_groups(opt, params, frozen: tuple = ()) -> None:
             raise ConfigError(f"{prefix}.freeze={settings.freeze!r}: must be True or False")
         if name != "default" and settings.freeze:
             continue  # never stepped: its optimiser settings do not matter
-        if settings.name not in OPTIMIZERS:
-            raise ConfigError(f"{prefix}.name={settings.name!r}: must be one of "
-                              + ", ".join(OPTIMIZERS))
+        if not known_name(settings.name):
+            raise unknown_name_error(f"{prefix[len('config.'):]}.name", settings.name)
         leaves = [(param_path(path), p) for (path, p), lab in zip(
             jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(labels))
             if lab == name]
@@ -160,6 +170,88 @@ def check_groups(opt, params, frozen: tuple = ()) -> None:
             if settings.lr_scale < 0 or settings.train_steps < 0:
                 raise ConfigError(f"{prefix}: lr_scale and train_steps must be >= 0, got "
                                   f"{settings.lr_scale} and {settings.train_steps}")
+
+
+# ---------------------------------------------------------------- optimisers by name
+
+def optax_function(name: str):
+    """The optax (or, for 'contrib.NAME', optax.contrib) function `name` names, if it is
+    an optimiser: one that takes a learning_rate; else None."""
+    module, attribute = ((optax.contrib, name[len(CONTRIB):]) if name.startswith(CONTRIB)
+                         else (optax, name))
+    function = getattr(module, attribute, None) if attribute.isidentifier() else None
+    if not inspect.isfunction(function):
+        return None
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    return function if "learning_rate" in parameters else None
+
+
+@functools.cache
+def optax_names() -> tuple[str, ...]:
+    """Every name optimizer.name may give an optax optimiser."""
+    names = [n for n in dir(optax) if not n.startswith("_") and optax_function(n)]
+    names += [CONTRIB + n for n in dir(optax.contrib)
+              if not n.startswith("_") and optax_function(CONTRIB + n)]
+    return tuple(sorted(names))
+
+
+def known_name(name) -> bool:
+    """A name optimizer.name (or a group's name) may hold."""
+    return isinstance(name, str) and (name in OPTIMIZERS or name.startswith(PYTHON)
+                                      or optax_function(name) is not None)
+
+
+def unknown_name_error(key: str, name) -> ConfigError:
+    """`config.KEY=NAME: unknown optimiser` with the nearest names."""
+    names = OPTIMIZERS + optax_names()
+    near = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
+    return ConfigError(f"config.{key}={name!r}: unknown optimiser"
+                       + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else "")
+                       + f"; one of {', '.join(OPTIMIZERS)}, any of optax's by its name "
+                       "('lion', 'adafactor', ...; 'contrib.NAME' for optax.contrib) with "
+                       "optimizer.kwargs, or one passed from Python")
+
+
+def named_optimizer(opt, schedule, weight_decay):
+    """optax's optimiser `opt.name` with the schedule as its learning rate and
+    optimizer.kwargs; optimizer.weight_decay as its own weight_decay where it has one,
+    else added to the gradient (coupled, as sgd and adam here) when not 0."""
+    function = optax_function(opt.name)
+    kwargs = opt.get("kwargs", {})
+    kwargs = dict(kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs)
+    own_decay = "weight_decay" in inspect.signature(function).parameters
+    if own_decay and "weight_decay" not in kwargs:
+        kwargs["weight_decay"] = weight_decay
+    try:
+        tx = function(schedule, **kwargs)
+    except TypeError as error:
+        raise ConfigError(f"config.optimizer.kwargs={kwargs!r}: optax's {opt.name} cannot take "
+                          f"them ({error})") from None
+    if own_decay or (isinstance(weight_decay, (int, float)) and not weight_decay):
+        return tx
+    return optax.chain(optax.add_decayed_weights(weight_decay), tx)
+
+
+def given_optimizer(given, schedule) -> optax.GradientTransformation:
+    """An optimiser passed from Python: a transformation as it is, a function of the
+    learning rate called with the schedule."""
+    if isinstance(given, optax.GradientTransformation):
+        return given
+    tx = given(schedule)
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"optimizer: the function passed returned {type(tx).__name__}, not an "
+                        "optax.GradientTransformation")
+    return tx
+
+
+def takes_schedule(opt, given) -> bool:
+    """Whether the run's optimiser uses jaxtrain's schedule (what the rows log as
+    learning_rate): every one but a transformation passed from Python, which brings
+    its own."""
+    return not (opt.name.startswith(PYTHON) and isinstance(given, optax.GradientTransformation))
 
 
 # ---------------------------------------------------------------- transformations
@@ -290,9 +382,12 @@ def group_schedule(settings, schedule: optax.Schedule) -> optax.Schedule:
     return lambda step: scale * schedule(step)
 
 
-def _optimizer(opt, schedule, stacked: bool = False, weight_decay=None):
-    """`weight_decay`: instead of opt.weight_decay (elementwise_groups' per-element one)."""
+def _optimizer(opt, schedule, stacked: bool = False, weight_decay=None, given=None):
+    """`weight_decay`: instead of opt.weight_decay (elementwise_groups' per-element one).
+    `given`: the optimiser passed from Python (opt.name 'python:...')."""
     weight_decay = opt.weight_decay if weight_decay is None else weight_decay
+    if opt.name.startswith(PYTHON):
+        return given_optimizer(given, schedule)
     if opt.name == "sgd":
         # 0 means plain SGD; a swept (traced, replicas.py) momentum always keeps a trace
         momentum = opt.momentum
@@ -316,7 +411,9 @@ def _optimizer(opt, schedule, stacked: bool = False, weight_decay=None):
             beta=opt.momentum, weight_decay=weight_decay, nesterov=opt.nesterov,
             muon_weight_dimension_numbers=(stacked_kernel_dimension_numbers if stacked
                                            else kernel_dimension_numbers))
-    raise ValueError(f"unknown optimizer.name {opt.name!r}; choose one of: " + ", ".join(OPTIMIZERS))
+    if optax_function(opt.name) is not None:
+        return named_optimizer(opt, schedule, weight_decay)
+    raise unknown_name_error("optimizer.name", opt.name)
 
 
 def keep_unchanged() -> optax.GradientTransformation:
@@ -331,7 +428,7 @@ def keep_unchanged() -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def group_optimizer(settings, schedule) -> optax.GradientTransformation:
+def group_optimizer(settings, schedule, given=None) -> optax.GradientTransformation:
     """One group's (or the default's) optimiser with its renormalisation.
 
     ns_stack (Muon): the whole group, renormalisation included, runs on stacks of
@@ -340,7 +437,7 @@ def group_optimizer(settings, schedule) -> optax.GradientTransformation:
     (optax.flatten); the renormalisation, per tensor, stays outside it.
     """
     stacked = settings.name == "muon" and settings.get("ns_stack", False)
-    tx = _optimizer(settings, schedule, stacked)
+    tx = _optimizer(settings, schedule, stacked, given=given)
     if settings.get("flatten", False) and settings.name in ELEMENTWISE:
         tx = flatten(tx)
     if settings.get("renormalize", False):
@@ -408,9 +505,10 @@ def elementwise_groups(members: dict, label) -> optax.GradientTransformation:
         lambda updates, state, params=None: build(updates).update(updates, state, params))
 
 
-def create_optimizer(opt, schedule: optax.Schedule,
-                     frozen: tuple = ()) -> optax.GradientTransformation:
-    """optax SGD (momentum, Nesterov), Adam, AdamW or Muon, per parameter group.
+def create_optimizer(opt, schedule: optax.Schedule, frozen: tuple = (),
+                     given=None) -> optax.GradientTransformation:
+    """optax SGD (momentum, Nesterov), Adam, AdamW, Muon, any optax optimiser by name or
+    `given` (passed from Python, opt.name 'python:...'), per parameter group.
 
     SGD and Adam add weight_decay * params to the gradient (coupled L2, as
     torch.optim does); AdamW and Muon decay the weights directly, scaled by the
@@ -419,22 +517,26 @@ def create_optimizer(opt, schedule: optax.Schedule,
     decay, no optimiser state). Parameters of no group use the top-level settings.
     With optimizer.flatten, the groups of one elementwise optimiser that differ only in
     learning rate and weight decay are updated together (elementwise_groups), under
-    the first one's name in the optimiser state.
+    the first one's name in the optimiser state. A group that names no optimiser of its
+    own takes the top-level one, `given` too (a function of the learning rate is called
+    with the group's schedule). optimizer.clip_norm > 0: the gradient's global norm is
+    clipped to it first (over every parameter).
     """
     groups = list(opt.groups.keys()) if "groups" in opt else []
     flat = opt.get("flatten", False)
     if not groups and not frozen:
-        tx = group_optimizer(opt, schedule)
+        tx = group_optimizer(opt, schedule, given)
     else:
         stepped = {"default": (opt, schedule)}
-        transforms = {"default": group_optimizer(opt, schedule), "frozen": keep_unchanged()}
+        transforms = {"default": group_optimizer(opt, schedule, given),
+                      "frozen": keep_unchanged()}
         for name in groups:
             settings = group_settings(opt, name)
             if settings.freeze:
                 transforms[name] = keep_unchanged()
                 continue
             stepped[name] = (settings, group_schedule(settings, schedule))
-            transforms[name] = group_optimizer(*stepped[name])
+            transforms[name] = group_optimizer(*stepped[name], given)
         merged = {}  # group -> the merged set's label, its first group's name
         for names in mergeable_groups(stepped) if flat else []:
             for name in names:
@@ -450,4 +552,6 @@ def create_optimizer(opt, schedule: optax.Schedule,
     if opt.get("lookahead_steps", 0) > 0:
         slow = lookahead(opt.lookahead_steps, opt.lookahead_alpha)
         tx = optax.chain(tx, flatten(slow) if flat else slow)
+    if opt.get("clip_norm", 0.0) > 0:
+        tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
     return tx

@@ -9,7 +9,8 @@ from jaxtrain import data, models
 from jaxtrain.errors import ConfigError
 from jaxtrain.runtime import mesh as mesh_lib
 from jaxtrain.training import (augment, batches, evaluation, inputs, model_state, optim,
-                               placement as placement_lib, replicas, train_state)
+                               parts as parts_lib, placement as placement_lib, replicas,
+                               train_state)
 from jaxtrain.training import step as step_lib
 from jaxtrain.weights import readers
 
@@ -38,9 +39,12 @@ class Setup:
     conv_impl: str = "xla"  # model.conv_impl as resolved here, once: 'onednn' or 'xla'
     xla_convolutions: bool = False  # a convolutional model on XLA's own convolutions
                                     # (what keeps train.loop='auto' out of a scan on the CPU)
+    loss: Any = None  # fn(logits, targets) -> per-example losses (losses.py, parts.py)
+    augment_fn: Any = None  # the user's fn(images, key) -> images, or None
+    logs_learning_rate: bool = True  # the optimiser takes the schedule (optim.takes_schedule)
 
 
-def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=None,
+def setup(config, mesh=None, abstract_state: bool = False, parts=None, clock=None,
           data_read=None) -> Setup:
     """Data, model, optimiser and the initial state (shared by training and evaluation),
     from a config checked where its run or command started (checks.check_config).
@@ -50,12 +54,14 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     (replicas.py: how it is laid out). With abstract_state, the state holds only shapes
     and dtypes (jax.eval_shape): for callers that build the state inside their own
     program, it saves compiling the init.
-    `model`: a Flax Linen or NNX module instance to train instead of model.name's.
+    `parts` (parts.Parts): what the user passed from Python (a model instance, an
+    optimiser, a loss, an augmentation) instead of the config's choices.
     `clock` (phases.Clock): times loading, statistics and building, a line each.
     `data_read`: (dataset, placement, why) to use instead of reading config.data
     (batches.shapes_only's stand-in, for a step compiled for shapes).
     """
     lap = clock.lap if clock is not None else lambda *args: None
+    parts = parts or parts_lib.Parts()
     if mesh is None:
         mesh = placement_lib.create_mesh(config.get("parallel", {}).get("fsdp", 1))
     init_from = config.model.get("init_from", "")
@@ -81,14 +87,17 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
 
     conv_impl = models.conv_choice(config.model)  # the one place 'auto' is settled
     model = model_state.build_model(config.model, dataset.num_classes, config.train.precision,
-                                    conv_impl, model)
+                                    conv_impl, parts.model)
+    loss = parts_lib.loss(config.train, parts, dataset.num_classes)
+    augment_fn = parts_lib.augmentation(config.augment, parts, dataset.image_shape)
     abstract_params = model_state.abstract_init(model, config.model, dataset.image_shape)
     stem = model_state.stem_kernel(config.model, dataset, mean, std, compute=not abstract_state)
 
     schedule = optim.create_schedule(config.optimizer, total_steps)
     frozen = models.frozen_params(config.model)
     optim.check_groups(config.optimizer, abstract_params["params"], frozen)
-    tx = replicas.create_optimizer(config, total_steps, frozen)
+    given = parts_lib.optimizer(config, parts)
+    tx = replicas.create_optimizer(config, total_steps, frozen, given)
 
     state, data_key, sharding, report = model_state.initial_state(
         config.model, config.seed, config.train.get("ema_decay") is not None, model, tx,
@@ -102,7 +111,8 @@ def setup(config, mesh=None, abstract_state: bool = False, model=None, clock=Non
     return Setup(mesh, dataset, placement, placement_reason, model, stem, mean, std,
                  schedule, state, data_key, steps_per_epoch, total_steps, runs,
                  report.to_json() if report is not None else None, sharding, conv_impl,
-                 models.xla_convolutions(config.model.name, conv_impl))
+                 models.xla_convolutions(config.model.name, conv_impl), loss, augment_fn,
+                 optim.takes_schedule(config.optimizer, given))
 
 
 def step_spec(config, run: Setup) -> step_lib.StepSpec:
@@ -116,15 +126,16 @@ def step_spec(config, run: Setup) -> step_lib.StepSpec:
         label_smoothing=config.train.label_smoothing,
         skip_nonfinite=config.train.nonfinite == "skip", ema_decay=config.train.get("ema_decay"),
         freeze_batch_stats=bool(config.model.get("freeze_batch_stats", False)),
-        accumulate_steps=config.train.get("accumulate_steps", 1))
+        accumulate_steps=config.train.get("accumulate_steps", 1), loss=run.loss,
+        augment_fn=run.augment_fn)
 
 
 def eval_arguments(config, run: Setup) -> dict:
     """The static keyword arguments of evaluation.evaluate for this run
-    (evaluation.predict_logits takes all but tta_images)."""
+    (evaluation.predict_logits takes all but tta_images and loss)."""
     return dict(mean=run.mean, std=run.std, tta=config.eval.tta, pad_mode=config.augment.pad_mode,
                 tta_images=inputs.tta_image_count(config.eval.tta_fraction,
-                                                  len(run.dataset.x_test)))
+                                                  len(run.dataset.x_test)), loss=run.loss)
 
 
 def compile_eval(config, run: Setup, state, eval_arrays):

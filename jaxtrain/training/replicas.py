@@ -85,8 +85,9 @@ def hyperparams(runs_: list[Run] | None) -> dict | None:
             for key in runs_[0].settings}
 
 
-def create_optimizer(config, total_steps: int, frozen: tuple = ()):
-    """The run's optax transformation. With a sweep, optim.create_optimizer is wrapped in
+def create_optimizer(config, total_steps: int, frozen: tuple = (), given=None):
+    """The run's optax transformation (`given`: the optimiser passed from Python, parts.py).
+    With a sweep, optim.create_optimizer is wrapped in
     optax.inject_hyperparams, rebuilt at each step from the replica's values: the
     learning rate is the peak of the same schedule (and scales every parameter group's,
     as optimizer.learning_rate does); label smoothing rides along unused by the
@@ -94,7 +95,8 @@ def create_optimizer(config, total_steps: int, frozen: tuple = ()):
     opt = config.optimizer
     swept = sweep_values(config)
     if not swept:
-        return optim.create_optimizer(opt, optim.create_schedule(opt, total_steps), frozen)
+        return optim.create_optimizer(opt, optim.create_schedule(opt, total_steps), frozen,
+                                      given)
 
     def build(learning_rate=None, weight_decay=None, momentum=None, b1=None, b2=None,
               label_smoothing=None):
@@ -106,7 +108,7 @@ def create_optimizer(config, total_steps: int, frozen: tuple = ()):
                 if value is not None:
                     settings[name] = value
         return optim.create_optimizer(settings, optim.create_schedule(settings, total_steps),
-                                      frozen)
+                                      frozen, given)
     defaults = {key.split(".")[1]: float(config[key.split(".")[0]][key.split(".")[1]])
                 for key in swept}
     return optax.inject_hyperparams(build)(**defaults)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtrain.training import augment, batches, optim, train_state
+from jaxtrain.training import augment, batches, losses, optim, train_state
 
 
 def _frozen(values) -> tuple:
@@ -36,6 +36,8 @@ class StepSpec:
     freeze_batch_stats: bool = False  # model.freeze_batch_stats
     accumulate_steps: int = 1
     constant_params: frozenset = frozenset()  # '/'-joined paths with no gradient computed
+    loss: Any = losses.softmax_xent  # fn(logits, targets) -> per-example losses (losses.py)
+    augment_fn: Any = None  # the user's fn(images, key) -> images (parts.py), or None
 
     def __post_init__(self):
         object.__setattr__(self, "augment", _frozen(self.augment))
@@ -49,7 +51,11 @@ class StepSpec:
 
 def normalize(images, mean, std):
     """uint8 images -> float32, per-channel (x / 255 - mean) / std."""
-    x = images.astype(jnp.float32) / 255.0
+    return standardize(images.astype(jnp.float32) / 255.0, mean, std)
+
+
+def standardize(x, mean, std):
+    """float32 images in [0, 1] -> per-channel (x - mean) / std."""
     return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
@@ -71,10 +77,18 @@ def train_step(state, images, labels, key, mirror=None, *, spec: StepSpec):
     optimiser update applies their mean gradient.
     `constant_params`: '/'-joined paths of parameters whose gradient is not computed
     (hold_constant); the optimiser still steps them, with a zero gradient.
+    `spec.augment_fn` (the user's): after the built-ins, on float32 images in [0, 1],
+    keyed by fold_in(key, augment.USER_STREAM), so the other keys stay those of a run
+    without it. `spec.loss`: per example; the step takes the mean.
     """
     augment_key, dropout_key = jax.random.split(key)
     images = augment.augment_batch(images, augment_key, mirror=mirror, **dict(spec.augment))
-    inputs = normalize(images, spec.mean, spec.std)
+    if spec.augment_fn is None:
+        inputs = normalize(images, spec.mean, spec.std)
+    else:
+        inputs = standardize(spec.augment_fn(images.astype(jnp.float32) / 255.0,
+                                             jax.random.fold_in(key, augment.USER_STREAM)),
+                             spec.mean, spec.std)
     targets = optax.smooth_labels(
         jax.nn.one_hot(labels, spec.num_classes),
         train_state.hyperparam(state, "label_smoothing", spec.label_smoothing))
@@ -83,10 +97,12 @@ def train_step(state, images, labels, key, mirror=None, *, spec: StepSpec):
             inputs, targets, jax.random.fold_in(key, augment.MIX_STREAM), **dict(spec.mix))
     if spec.accumulate_steps == 1:
         loss, logits, batch_stats, grads = gradients(state, state.batch_stats, inputs, targets,
-                                                     dropout_key, spec.constant_params)
+                                                     dropout_key, spec.constant_params,
+                                                     spec.loss)
     else:
         loss, logits, batch_stats, grads = accumulated_gradients(
-            state, inputs, targets, dropout_key, spec.accumulate_steps, spec.constant_params)
+            state, inputs, targets, dropout_key, spec.accumulate_steps, spec.constant_params,
+            spec.loss)
     if spec.freeze_batch_stats:
         batch_stats = state.batch_stats
     new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
@@ -104,16 +120,17 @@ def train_step(state, images, labels, key, mirror=None, *, spec: StepSpec):
     return new_state, {"loss": loss, "accuracy": accuracy}
 
 
-def gradients(state, batch_stats, inputs, targets, dropout_key, constant_params=frozenset()):
-    """Mean cross-entropy of a batch, its logits, the BatchNorm statistics after it and
-    the loss's gradient with respect to state.params (zero for `constant_params`)."""
+def gradients(state, batch_stats, inputs, targets, dropout_key, constant_params=frozenset(),
+              loss=losses.softmax_xent):
+    """The batch's mean `loss` (per example, losses.py), its logits, the BatchNorm
+    statistics after it and the loss's gradient with respect to state.params (zero for
+    `constant_params`)."""
     def loss_fn(params):
         params = hold_constant(params, constant_params)
         logits, updates = state.apply_fn({"params": params, "batch_stats": batch_stats},
                                          inputs, train=True, mutable=["batch_stats"],
                                          rngs={"dropout": dropout_key})
-        loss = optax.softmax_cross_entropy(logits, targets).mean()
-        return loss, (logits, updates.get("batch_stats", batch_stats))
+        return loss(logits, targets).mean(), (logits, updates.get("batch_stats", batch_stats))
 
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params)
@@ -170,7 +187,7 @@ def micro_batches(x, k: int):
 
 
 def accumulated_gradients(state, inputs, targets, dropout_key, k: int,
-                          constant_params=frozenset()):
+                          constant_params=frozenset(), loss=losses.softmax_xent):
     """gradients() of k micro-batches, one after another in a lax.scan (so only one
     micro-batch's activations are alive at a time), averaged: the mean loss and gradient
     of the whole batch, up to float rounding. (Unrolled, XLA would be free to run the
@@ -182,10 +199,10 @@ def accumulated_gradients(state, inputs, targets, dropout_key, k: int,
     def body(carry, batch):
         grad_sum, batch_stats, loss_sum = carry
         inputs, targets, i = batch
-        loss, logits, batch_stats, grads = gradients(
+        value, logits, batch_stats, grads = gradients(
             state, batch_stats, inputs, targets, jax.random.fold_in(dropout_key, i),
-            constant_params)
-        return (jax.tree.map(jnp.add, grad_sum, grads), batch_stats, loss_sum + loss), logits
+            constant_params, loss)
+        return (jax.tree.map(jnp.add, grad_sum, grads), batch_stats, loss_sum + value), logits
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     (grad_sum, batch_stats, loss_sum), logits = jax.lax.scan(
