@@ -221,6 +221,61 @@ def test_a_checkpoint_of_another_model_stops_before_training(cifar_batches_dir, 
     assert steps_saved(tmp_path) == [10]
 
 
+@pytest.mark.slow
+def test_a_checkpoint_of_another_optimiser_restores_its_weights_and_resumes_with_it_only(
+        cifar_batches_dir, cifar_subset, tmp_path):
+    """An adam run whose config.json then records another optimiser ('sgd', whose state
+    is a momentum trace; an optimiser passed from Python, which no process can rebuild):
+    jaxtrain.restore reads the weights alone, the same logits. Resuming with another
+    optimizer.name is one line naming both, before anything is loaded, recipe change
+    allowed or not; with the recorded name but another optimiser's state in the
+    checkpoint, the restore says the optimiser state is what differs, not the model."""
+    config = small_config(cifar_batches_dir, model__name="mlp", model__hidden_sizes=(16,),
+                          train__num_steps=10, optimizer__name="adam",
+                          optimizer__learning_rate=1e-3)
+    loop.train_and_evaluate(config, str(tmp_path))
+    images = cifar_subset["x_test"][:50]
+
+    def logits(classifier):
+        return np.asarray(classifier.logits(classifier.state, images, "none"))
+
+    own = logits(jaxtrain.restore(str(tmp_path)))
+    saved = json.loads((tmp_path / checkpoint.CONFIG_FILE).read_text())
+
+    def record_optimizer(name):
+        saved["optimizer"]["name"] = name
+        (tmp_path / checkpoint.CONFIG_FILE).write_text(json.dumps(saved))
+
+    for recorded in ("sgd", "python:__main__:<lambda>"):
+        record_optimizer(recorded)
+        np.testing.assert_array_equal(logits(jaxtrain.restore(str(tmp_path))), own)
+
+    before = (tmp_path / "metrics.jsonl").read_text()
+    for allowed in (False, True):
+        with pytest.raises(jaxtrain.ConfigError) as refused:
+            loop.train_and_evaluate(
+                with_overrides(config, {"checkpoint__allow_recipe_change": allowed}),
+                str(tmp_path))
+        assert str(refused.value) == (
+            f"config.optimizer.name: the checkpoints in {tmp_path} were written with "
+            "'python:__main__:<lambda>', this run uses 'adam'; the optimiser state they hold "
+            "is 'python:__main__:<lambda>''s. Resume with the same optimiser (pass that "
+            "optimiser to train_and_evaluate(optimizer=...) again), or use another --workdir "
+            f"(--config.model.init_from={tmp_path} starts a new run from its weights)")
+
+    record_optimizer("sgd")  # as if the same name now built another optimiser
+    longer = with_overrides(config, {"optimizer__name": "sgd", "train__num_steps": 20,
+                                     "checkpoint__allow_recipe_change": False})
+    with pytest.raises(checkpoint.OptimizerStateMismatch, match=(
+            rf"^checkpoint {tmp_path}/checkpoints/10: its optimiser state does not match this "
+            r"run's optimiser \(config.optimizer.name='sgd'\): it has no 'opt_state/[^']+'; "
+            r"its weights fit the model. Resume with the optimiser that wrote it \(pass the "
+            r"same one again\), or use another workdir$")):
+        loop.train_and_evaluate(longer, str(tmp_path))
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert steps_saved(tmp_path) == [10]
+
+
 PLAIN_MLP = {"model__name": "mlp", "model__hidden_sizes": (16,), "model__batch_norm": False}
 
 

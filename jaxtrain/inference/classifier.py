@@ -9,6 +9,7 @@ import os
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from jaxtrain import models
 from jaxtrain.config import checks
@@ -116,7 +117,8 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
             pool_impl: str | None = None, conv_impl: str | None = None) -> Classifier:
     """The newest (or the given) checkpoint of the run in `workdir`, ready to classify.
 
-    Needs no data: the normalisation and class names are stored in the checkpoint.
+    Needs no data: the normalisation and class names are stored in the checkpoint; nor
+    the run's optimiser: only the weights are read, whatever optimiser state is saved.
     `model`: the Flax module instance a run was trained on through
     train_and_evaluate(model=...), or its class ('package.module:ClassName', built as a
     model.name is); without it a model.name is rebuilt, or imported, by itself, and so
@@ -157,7 +159,7 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
         raise ValueError(f"which='best': the run in {workdir} kept no best checkpoint (it "
                          "trained with checkpoint.best_metric='')")
     manager = checkpoint.create_manager(checkpoint.checkpoint_dir(workdir), create=False,
-                                        best=best)
+                                        best=best, weights_only=True)
     try:
         if which == "best":
             step = checkpoint.best_step(manager)
@@ -175,17 +177,18 @@ def restore(workdir: str, step: int | None = None, tta: str | None = None,
             raise ValueError(f"replica={replica}: {workdir} holds a single run, not replicas")
         if runs is not None and replica is not None and not 0 <= replica < len(runs):
             raise ValueError(f"replica={replica}: {workdir} holds replicas 0 .. {len(runs) - 1}")
-        tx = replicas.create_optimizer(config, 1, models.frozen_params(config.model))
-        # The state's shapes only (no init compiled): Orbax fills them from the checkpoint.
+        # The weights' shapes only (no init compiled): Orbax fills them from the checkpoint.
+        # No optimiser: inference needs none, and the run's may be one passed from Python,
+        # which cannot be rebuilt here; the checkpoint's optimiser state is left unread.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         key = jax.random.split(jax.random.key(0), len(runs)) if runs else jax.random.key(0)
         abstract = jax.eval_shape(functools.partial(
-            train_state.create_train_state, model=model, tx=tx,
-            image_shape=tuple(meta["image_shape"]), hyperparams=replicas.hyperparams(runs),
-            replicas=runs is not None, ema=config.train.get("ema_decay") is not None), key)
+            train_state.create_train_state, model=model, tx=optax.identity(),
+            image_shape=tuple(meta["image_shape"]), replicas=runs is not None,
+            ema=config.train.get("ema_decay") is not None), key)
         try:
-            state, _, meta = checkpoint.restore(
-                manager, checkpoint.restore_target(abstract, device), key, meta["step"])
+            state, meta = checkpoint.restore_weights(
+                manager, checkpoint.restore_target(abstract, device), meta["step"])
         except checkpoint.CheckpointError as error:
             if not recorded_class:
                 raise

@@ -3,6 +3,7 @@
 A checkpoint is a plain Orbax CheckpointManager step directory under
 WORKDIR/checkpoints/<step>/ with two items:
   state: {params, batch_stats, opt_state, step, rng} as an Orbax standard pytree
+         (inference reads params, batch_stats and ema only: restore_weights)
   meta:  JSON {step, epoch, step_in_epoch, seed}: the data-order position
   input: (streamed runs) the Grain iterator's state, one JSON file per process,
          written by Grain's own Orbax CheckpointHandler
@@ -11,6 +12,7 @@ Nothing in it is pickled.
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -32,6 +34,11 @@ CONFIG_FILE = "config.json"  # WORKDIR/config.json: the recipe of the checkpoint
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or does not fit the model; the message says which."""
+
+
+class OptimizerStateMismatch(CheckpointError):
+    """A checkpoint whose weights fit the model but whose optimiser state is not the one
+    this run's optimiser makes: resuming needs the optimiser that wrote it."""
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -82,11 +89,12 @@ class _NoMetricsWarning(logging.Filter):
 
 
 def create_manager(directory: str, keep: int = 3, create: bool = True, stream: bool = False,
-                   best: tuple | None = None):
+                   best: tuple | None = None, weights_only: bool = False):
     """An Orbax CheckpointManager that saves asynchronously and keeps the last `keep`;
     `stream`: it also holds the Grain input iterator's state. `best` (best_policy's):
     it also keeps the best checkpoints by that test metric (Orbax's BestN policy beside
-    LatestN, so the newest one that resume needs is always kept)."""
+    LatestN, so the newest one that resume needs is always kept). `weights_only`: one
+    that reads part of the state (restore_weights) and saves nothing."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"cannot use {directory} for checkpoints: it is not a directory")
     if best is None:
@@ -104,7 +112,11 @@ def create_manager(directory: str, keep: int = 3, create: bool = True, stream: b
         for name in ("absl", ""):
             if not any(isinstance(f, _NoMetricsWarning) for f in logging.getLogger(name).filters):
                 logging.getLogger(name).addFilter(_NoMetricsWarning())
-    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    # The same files either way: StandardCheckpointHandler writes PyTreeCheckpointHandler's,
+    # whose restore takes partial_restore (a target holding some of the saved subtrees).
+    state_handler = (ocp.PyTreeCheckpointHandler() if weights_only
+                     else ocp.StandardCheckpointHandler())
+    handlers = {"state": state_handler, "meta": ocp.JsonCheckpointHandler()}
     if stream or _holds_input_state(directory):  # Orbax warns of items it has no handler for
         import grain  # only streaming runs pay for the import
         handlers["input"] = grain.checkpoint.CheckpointHandler()
@@ -160,30 +172,69 @@ def wait(manager) -> None:
                               "earlier checkpoints are untouched") from error
 
 
-def check_compatible(manager, step: int, target: dict) -> None:
-    """Raises CheckpointError naming the first parameter whose shape or presence differs."""
+# A checkpoint's parts, parameters first: they name the layer that differs most plainly.
+PARTS = ("params", "batch_stats", "opt_state", "step", "rng", "ema")
+
+
+def check_compatible(manager, step: int, target: dict, weights_only: bool = False) -> None:
+    """Raises CheckpointError naming the first parameter whose shape or presence differs
+    (OptimizerStateMismatch when the weights fit and the optimiser state does not).
+    `weights_only`: the saved parts that `target` leaves out (the optimiser state, say)
+    are not compared."""
     saved = manager.item_metadata(step)["state"]
     saved_leaves = {optim.param_path(p): leaf
                     for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
     if not saved_leaves:  # files gone: damage, not another model (restore falls back)
         raise FileNotFoundError(f"{manager.directory}/{step}: no readable state metadata")
-    # parameters first: they name the layer that differs most plainly
     ordered = [(f"{top}/{optim.param_path(path)}" if path else top, leaf)
-               for top in ("params", "batch_stats", "opt_state", "step", "rng", "ema")
-               if top in target
+               for top in PARTS if top in target
                for path, leaf in jax.tree_util.tree_leaves_with_path(target[top])]
     for name, leaf in ordered:
         if name not in saved_leaves:
-            raise CheckpointError(f"checkpoint {manager.directory}/{step} was written by a "
-                                  f"different model: it has no {name!r}")
+            raise mismatch(manager, step, name, "was written by a different model",
+                           f"it has no {name!r}")
         saved_shape = tuple(saved_leaves.pop(name).shape)
         if saved_shape != tuple(np.shape(leaf)):
-            raise CheckpointError(f"checkpoint {manager.directory}/{step} does not fit this model: "
-                                  f"{name!r} has shape {saved_shape} there and "
-                                  f"{tuple(np.shape(leaf))} here")
+            raise mismatch(manager, step, name, "does not fit this model",
+                           f"{name!r} has shape {saved_shape} there and "
+                           f"{tuple(np.shape(leaf))} here")
+    if weights_only:
+        saved_leaves = {name: leaf for name, leaf in saved_leaves.items()
+                        if part_of(name) in target}
     if saved_leaves:
-        raise CheckpointError(f"checkpoint {manager.directory}/{step} was written by a different "
-                              f"model: this model has no {next(iter(saved_leaves))!r}")
+        name = min(saved_leaves, key=lambda name: PARTS.index(part_of(name))
+                   if part_of(name) in PARTS else len(PARTS))
+        raise mismatch(manager, step, name, "was written by a different model",
+                       f"this model has no {name!r}")
+
+
+def part_of(name: str) -> str:
+    """The checkpoint part ('params', 'opt_state', ...) a check_compatible name is in."""
+    return name.split("/", 1)[0]
+
+
+def mismatch(manager, step: int, name: str, verdict: str, detail: str) -> CheckpointError:
+    """`checkpoint DIR/STEP <verdict>: <detail>` for the first leaf `name` that differs;
+    one in the optimiser state (the weights having fitted) says so and names the run's
+    config.optimizer.name instead: the model is not what differs."""
+    if part_of(name) != "opt_state":
+        return CheckpointError(f"checkpoint {manager.directory}/{step} {verdict}: {detail}")
+    recorded = recorded_optimizer(str(manager.directory))
+    named = f"config.optimizer.name={recorded!r}" if recorded else "config.optimizer.name"
+    return OptimizerStateMismatch(
+        f"checkpoint {manager.directory}/{step}: its optimiser state does not match this "
+        f"run's optimiser ({named}): {detail}; its weights fit the model. Resume with the "
+        "optimiser that wrote it (pass the same one again), or use another workdir")
+
+
+def recorded_optimizer(directory: str) -> str | None:
+    """config.optimizer.name in the config.json beside the checkpoint folder `directory`
+    (the run's recipe), or None when there is none to read."""
+    try:
+        with open(os.path.join(os.path.dirname(directory), CONFIG_FILE)) as f:
+            return json.load(f)["optimizer"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # What Orbax and TensorStore raise for a checkpoint whose files are damaged or missing
@@ -201,7 +252,8 @@ def restore(manager, state, rng, step: int | None = None, choose=resume_from):
     """Restores checkpoint `step` (default: the newest) into `state`'s structure.
 
     Returns (state, rng, meta), or None when there is no checkpoint at all. A checkpoint
-    of a different model, or one that cannot be read, stops with CheckpointError before
+    of a different model (or whose optimiser state another optimiser wrote:
+    OptimizerStateMismatch), or one that cannot be read, stops with CheckpointError before
     anything is restored: one that cannot be read names the older steps on disk and
     choose(the newest of them), how to take it instead; nothing is skipped or deleted.
     """
@@ -209,24 +261,51 @@ def restore(manager, state, rng, step: int | None = None, choose=resume_from):
     if not steps:
         return None
     step = steps[-1] if step is None else step
-    target = state_tree(state, rng)
-    quiet = QuietAbandonedReads()
-    try:
-        check_compatible(manager, step, target)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    except Exception as error:  # re-raised below unless it is damage (damage())
-        cause = damage(error)
-        if cause is None:
-            raise
-        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read "
-                              f"({type(cause).__name__}: {first_line(cause)}); nothing was "
-                              f"deleted; {older_choice(steps, step, choose)}") from error
-    quiet.remove()
+    restored = read_state(manager, step, state_tree(state, rng), choose)
     tree = restored["state"]
     state = state.replace(params=tree["params"], batch_stats=tree["batch_stats"],
                           opt_state=tree["opt_state"], step=tree["step"], ema=tree.get("ema"))
     return state, jax.random.wrap_key_data(tree["rng"]), restored["meta"]
+
+
+def restore_weights(manager, state, step: int):
+    """`state` (shapes: restore_target's) with checkpoint `step`'s weights: its params,
+    BatchNorm statistics, step and, when it kept one, the weights' moving average.
+    Returns (state, meta). Its optimiser state is neither compared nor read: inference
+    needs none, and the checkpoint's may be any optimiser's (one passed from Python
+    cannot be rebuilt to make a target for it). `manager`: create_manager's with
+    weights_only. A checkpoint of another model, or one that cannot be read, stops with
+    CheckpointError as restore's does."""
+    target = {"params": state.params, "batch_stats": state.batch_stats, "step": state.step}
+    if state.ema is not None:
+        target["ema"] = state.ema
+    restored = read_state(manager, step, target, weights_only=True)
+    return state.replace(**restored["state"]), restored["meta"]
+
+
+def read_state(manager, step: int, target: dict, choose=resume_from,
+               weights_only: bool = False) -> dict:
+    """Checkpoint `step`'s state (into `target`: all of it, or with `weights_only` the
+    parts `target` holds) and meta, once check_compatible has passed; damage is a
+    CheckpointError naming choose(the newest older step)."""
+    quiet = QuietAbandonedReads()
+    try:
+        check_compatible(manager, step, target, weights_only)
+        state = (ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True) if weights_only else ocp.args.StandardRestore(target))
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=state, meta=ocp.args.JsonRestore()))
+    except Exception as error:  # re-raised below unless it is damage (damage())
+        cause = damage(error)
+        if cause is None:
+            raise
+        older = older_choice(sorted(manager.all_steps()), step, choose)
+        raise CheckpointError(f"checkpoint {manager.directory}/{step} cannot be read "
+                              f"({type(cause).__name__}: {first_line(cause)}); nothing was "
+                              f"deleted; {older}") from error
+    quiet.remove()
+    return restored
 
 
 def older_choice(steps: list, step: int, choose=resume_from) -> str:
