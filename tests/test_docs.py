@@ -245,6 +245,39 @@ def test_the_python_page_s_script_runs_as_printed(tmp_path):
     assert json.loads((tmp_path / "fashion_mlp.onnx.json").read_text())["format"] == "onnx"
 
 
+@pytest.mark.slow
+def test_the_python_page_s_own_parts_script_runs_as_printed(tmp_path):
+    """docs/python.md's second script: an NNX model, an optax chain given the schedule, a
+    focal loss and an augmentation from Python train, resume when passed again and restore
+    with the model alone; the loss reported is the focal loss, the rates logged lion's."""
+    if not Path("/usr/share/datasets/fashion-mnist").is_dir():
+        missing("no Fashion-MNIST in /usr/share/datasets/fashion-mnist: "
+                "apt-get install dataset-fashion-mnist")
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "python.md").read_text(), re.S)
+    (script,) = [block for block in blocks if block.startswith("# train_your_parts.py")]
+    (tmp_path / "train_your_parts.py").write_text(script)
+    done = fork_server.run([sys.executable, "train_your_parts.py"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    workdir = tmp_path / "runs" / "your_parts"
+    summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
+    assert summary["steps"] == 400 and summary["resumed_from_step"] == 300
+    assert summary["test_accuracy"] > 0.75  # chance: 0.1
+    config = json.loads((workdir / "config.json").read_text())
+    assert (config["model"]["name"], config["optimizer"]["name"], config["train"]["loss"],
+            config["augment"]["fn"]) == ("instance:__main__:SmallNet", "python:__main__:optimizer",
+                                         "python:__main__:focal_loss",
+                                         "python:__main__:brightness")
+    first = [row for row in report.read_metrics(str(workdir)) if row["step"] <= 300]
+    rates = [row["learning_rate"] for row in first if "learning_rate" in row]
+    assert rates[0] == pytest.approx(3e-4, rel=0.02) and rates[-1] == pytest.approx(1e-6)
+    (evaluated,) = [row for row in first if row["step"] == 300 and "test_loss" in row]
+    assert f"test focal loss {evaluated['test_loss']:.4f} after 300 steps" in done.stdout
+    assert "resumed from step 300, ended at 400" in done.stdout
+    (right,) = re.findall(r"restored: ([\d.]+)% of 1000 test images right", done.stdout)
+    assert float(right) > 75
+
+
 # ---------------------------------------------------------------- README's headline table
 
 def test_the_readme_s_headline_figures_are_the_committed_results():
