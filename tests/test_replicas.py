@@ -217,6 +217,11 @@ def test_a_learning_rate_sweep_is_three_runs_each_its_own_single_run(cifar_batch
     assert len({tuple(c) for c in curves.values()}) == 3  # three trajectories
     assert [p["settings"]["optimizer.learning_rate"] for p in summary["sweep_points"]] \
         == list(rates)
+    # curves.png: a labelled line per replica, named by its seed and swept rate
+    legend = report.curves_figure(rows).axes[0].get_legend()
+    assert [text.get_text() for text in legend.get_texts()] == [
+        f"seed 3, learning_rate={rate:g}" for rate in rates]
+    assert (tmp_path / "sweep" / report.PLOT_FILE).is_file()
     for replica, rate in enumerate(rates):
         single = small_config(cifar_batches_dir, model__name="mlp", seed=3,
                               optimizer__learning_rate=rate)

@@ -209,50 +209,9 @@ class Reporter:
         self._metrics.close()
 
     def plot(self) -> str:
-        """Loss, accuracy (train and test) and learning rate against step, as
-        workdir/curves.png. Points get markers when there are few of them, so a short
-        run or a single test point still shows."""
-        import matplotlib
-        matplotlib.use("Agg")
+        """curves_figure of the rows as workdir/curves.png."""
         import matplotlib.pyplot as plt
-
-        fig, (loss_ax, acc_ax, lr_ax) = plt.subplots(1, 3, figsize=(15, 4))
-        runs = sorted({r.get("replica", -1) for r in self.records})
-        alpha = 1.0 if len(runs) == 1 else max(0.25, 1.0 / len(runs) ** 0.5)
-        for split, color in (("train", "tab:blue"), ("test", "tab:orange")):
-            for run in runs:  # every replica a line of its own, one colour per split
-                points = [r for r in self.records if r.get(f"{split}_loss") is not None
-                          and r.get("replica", -1) == run]
-                steps = [r["step"] for r in points]
-                label = (f"{split} ({len(points)} point{'s' if len(points) != 1 else ''}"
-                         + (f" x {len(runs)} replicas)" if len(runs) > 1 else ")"))
-                style = dict(color=color, alpha=alpha, label=label if run == runs[0] else None,
-                             marker="o" if split == "test" or len(points) <= 60 else None,
-                             markersize=4 if split == "train" else 5)
-                loss_ax.plot(steps, [r[f"{split}_loss"] for r in points], **style)
-                acc_ax.plot(steps, [r[f"{split}_accuracy"] for r in points], **style)
-        for run in runs:
-            rates = [r for r in self.records
-                     if "learning_rate" in r and r.get("replica", -1) == run]
-            lr_ax.plot([r["step"] for r in rates], [r["learning_rate"] for r in rates],
-                       color="tab:green", alpha=alpha, marker="o" if len(rates) <= 60 else None,
-                       markersize=3)
-        last = self.records[-1] if self.records else {}
-        for ax, name in ((loss_ax, "loss"), (acc_ax, "accuracy"), (lr_ax, "learning rate")):
-            ax.set_xlabel("step")
-            ax.set_title(name)
-            ax.grid(alpha=0.3)
-            ax.set_xlim(0, max(last.get("step", 1), 1) * 1.02)
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        for ax in (loss_ax, acc_ax):
-            ax.legend()
-        acc_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-        if last:
-            fig.suptitle(f"{last['step']} steps, {last.get('epoch', 0):g} epochs")
-        # fixed margins for this fixed size: tight_layout measures every label first, 40%
-        # of the plot's time, which every run's end pays
-        fig.subplots_adjust(left=0.045, right=0.985, bottom=0.13, top=0.86, wspace=0.2)
+        fig = curves_figure(self.records)
         path = os.path.join(self.workdir, PLOT_FILE)
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -309,3 +268,63 @@ def epoch_means(records: list, steps_per_epoch: int, replica: int | None = None)
     if not sums["steps"]:
         return {"train_loss": None, "train_accuracy": None}
     return {key: sums[key] / sums["steps"] for key in ("train_loss", "train_accuracy")}
+
+
+def replica_label(row: dict) -> str:
+    """A replica's name in the plot's legend, from one of its rows: its seed and swept
+    settings (the dotted keys, 'optimizer.learning_rate'), e.g. 'seed 1, learning_rate=0.1'."""
+    settings = [f"{key.rsplit('.', 1)[1]}={value:g}" for key, value in row.items()
+                if "." in key and isinstance(value, (int, float))]
+    return ", ".join([f"seed {row.get('seed', '?')}", *settings])
+
+
+def curves_figure(records: list):
+    """Loss, accuracy (train and test) and learning rate against step. A single run: train
+    and test in a colour each. A replicated run: a colour per replica, named in the legend
+    by its seed and swept values, train solid and test dashed. Points get markers when
+    there are few of them, so a short run or a single test point still shows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, acc_ax, lr_ax) = plt.subplots(1, 3, figsize=(15, 4))
+    runs = sorted({r.get("replica", -1) for r in records})
+    replicated = runs != [-1]
+    for index, run in enumerate(runs):
+        own = [r for r in records if r.get("replica", -1) == run]
+        name = replica_label(own[0]) if replicated else None
+        for split, style in (("train", "-"), ("test", "--")):
+            points = [r for r in own if r.get(f"{split}_loss") is not None]
+            if replicated:
+                color, label = f"C{index % 10}", name if split == "train" else None
+            else:
+                color = "tab:blue" if split == "train" else "tab:orange"
+                label = f"{split} ({len(points)} point{'s' if len(points) != 1 else ''})"
+            steps = [r["step"] for r in points]
+            line = dict(color=color, label=label, linestyle=style if replicated else "-",
+                        marker="o" if split == "test" or len(points) <= 60 else None,
+                        markersize=4 if split == "train" else 5)
+            loss_ax.plot(steps, [r[f"{split}_loss"] for r in points], **line)
+            acc_ax.plot(steps, [r[f"{split}_accuracy"] for r in points], **line)
+        rates = [r for r in own if "learning_rate" in r]
+        lr_ax.plot([r["step"] for r in rates], [r["learning_rate"] for r in rates],
+                   color=f"C{index % 10}" if replicated else "tab:green",
+                   marker="o" if len(rates) <= 60 else None, markersize=3)
+    last = records[-1] if records else {}
+    for ax, name in ((loss_ax, "loss"), (acc_ax, "accuracy"), (lr_ax, "learning rate")):
+        ax.set_xlabel("step")
+        ax.set_title(name + (" (train solid, test dashed)" if replicated and ax is not lr_ax
+                             else ""))
+        ax.grid(alpha=0.3)
+        ax.set_xlim(0, max(last.get("step", 1), 1) * 1.02)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    for ax in (loss_ax, acc_ax):
+        ax.legend(fontsize="small" if len(runs) > 8 else None, ncol=2 if len(runs) > 8 else 1)
+    acc_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    if last:
+        fig.suptitle(f"{last['step']} steps, {last.get('epoch', 0):g} epochs")
+    # fixed margins for this fixed size: tight_layout measures every label first, 40%
+    # of the plot's time, which every run's end pays
+    fig.subplots_adjust(left=0.045, right=0.985, bottom=0.13, top=0.86, wspace=0.2)
+    return fig
