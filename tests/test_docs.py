@@ -206,22 +206,29 @@ def test_every_documented_command_that_runs_on_a_cpu_runs_as_written(
 
 # ---------------------------------------------------------------- docs/python.md, run
 
+def run_python_page_script(name: str, folder):
+    """docs/python.md's script whose first line names it `name`, saved in `folder` and run
+    there as a user runs it (Fashion-MNIST from the system's package); its finished process."""
+    if not Path("/usr/share/datasets/fashion-mnist").is_dir():
+        missing("no Fashion-MNIST in /usr/share/datasets/fashion-mnist: "
+                "apt-get install dataset-fashion-mnist")
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "python.md").read_text(), re.S)
+    (script,) = [block for block in blocks if block.startswith(f"# {name}")]
+    (folder / name).write_text(script)
+    done = fork_server.run([sys.executable, name], cwd=folder, capture_output=True, text=True,
+                           timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.slow
 def test_the_python_page_s_script_runs_as_printed(tmp_path):
     """docs/python.md's script, as a user saves and runs it (from any folder: the recipe
     comes from the installed package): it trains, reads its history, classifies files
     and exports; the history is metrics.jsonl's, the ONNX file gives restore's
     probabilities."""
-    if not Path("/usr/share/datasets/fashion-mnist").is_dir():
-        missing("no Fashion-MNIST in /usr/share/datasets/fashion-mnist: "
-                "apt-get install dataset-fashion-mnist")
     onnxruntime = require_module("onnxruntime", "pip install -e .[export]")
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "python.md").read_text(), re.S)
-    (script,) = [block for block in blocks if block.startswith("# train_fashion.py")]
-    (tmp_path / "train_fashion.py").write_text(script)
-    done = fork_server.run([sys.executable, "train_fashion.py"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python_page_script("train_fashion.py", tmp_path)
     workdir = tmp_path / "runs" / "fashion_py"
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
     assert summary["steps"] == 468 and summary["test_accuracy"] > 0.8  # chance: 0.1
@@ -250,15 +257,7 @@ def test_the_python_page_s_own_parts_script_runs_as_printed(tmp_path):
     """docs/python.md's second script: an NNX model, an optax chain given the schedule, a
     focal loss and an augmentation from Python train, resume when passed again and restore
     with the model alone; the loss reported is the focal loss, the rates logged lion's."""
-    if not Path("/usr/share/datasets/fashion-mnist").is_dir():
-        missing("no Fashion-MNIST in /usr/share/datasets/fashion-mnist: "
-                "apt-get install dataset-fashion-mnist")
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "python.md").read_text(), re.S)
-    (script,) = [block for block in blocks if block.startswith("# train_your_parts.py")]
-    (tmp_path / "train_your_parts.py").write_text(script)
-    done = fork_server.run([sys.executable, "train_your_parts.py"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python_page_script("train_your_parts.py", tmp_path)
     workdir = tmp_path / "runs" / "your_parts"
     summary = json.loads((workdir / report.SUMMARY_FILE).read_text())
     assert summary["steps"] == 400 and summary["resumed_from_step"] == 300

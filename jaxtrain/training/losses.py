@@ -64,7 +64,7 @@ def check(loss, num_classes: int, what: str) -> None:
     batch = jax.ShapeDtypeStruct((2, num_classes), jnp.float32)
     try:
         out = jax.eval_shape(loss, batch, batch)
-    except (TypeError, ValueError, IndexError, AttributeError) as error:
+    except TypeError as error:  # its arguments, or a value it cannot trace (JAX's TypeErrors)
         raise ConfigError(f"{what}: cannot be traced on logits and targets of shape "
                           f"(2, {num_classes}): {type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}") from None

@@ -149,7 +149,7 @@ def augmentation(augment_config, parts: Parts, image_shape):
     images = jax.ShapeDtypeStruct((2, *image_shape), jnp.float32)
     try:
         out = jax.eval_shape(fn, images, jax.eval_shape(lambda: jax.random.key(0)))
-    except (TypeError, ValueError, IndexError, AttributeError) as error:
+    except TypeError as error:  # its arguments, or a value it cannot trace (JAX's TypeErrors)
         raise ConfigError(f"{what}: cannot be traced on float32 images of shape "
                           f"{images.shape} and a key: {type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}") from None
